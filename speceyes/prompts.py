@@ -1,0 +1,134 @@
+"""Prompt text per backbone family, as data.
+
+These strings are what the published checkpoints were trained or evaluated with; they are kept
+byte-exact. Change them only together with a checkpoint that expects the change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+OPTION_LETTERS = "ABCDEFGHIJ"
+
+# --- Phase I: tool-need judgment (large model) -------------------------------------------------
+JUDGE_SYSTEM = (
+    "You decide based on answer reliability.\n\n"
+    'Answer "yes" if using a tool would significantly improve correctness or confidence of the '
+    "answer.\n\n"
+    'Answer "no" if tools would add little or no value.\n\n'
+    'Output only "yes" or "no".\n'
+)
+JUDGE_SUFFIX = "\nWould tools significantly improve answer reliability? yes or no."
+
+# --- Phase II: speculative answer (small model) ------------------------------------------------
+SMALL_SYSTEM = (
+    "You are a helpful assistant. Output only the final answer itself. Do not include "
+    "explanations, reasoning, labels, or any extra text."
+)
+SMALL_SUFFIX = "\nAnswer:"
+
+# --- DeepEyes (Qwen2.5-VL-7B, image_zoom_in_tool) -----------------------------------------------
+# The tool schema below is the checkpoint's evaluation prompt byte for byte, including its
+# `"required":["bbox"]` (the argument itself is named bbox_2d): the model saw this text.
+_DEEPEYES_TOOL_SCHEMA = (
+    '{"type":"function","function":{"name":"image_zoom_in_tool","description":"Zoom in on a '
+    "specific region of an image by cropping it based on a bounding box (bbox) and an optional "
+    'object label.","parameters":{"type":"object","properties":{"bbox_2d":{"type":"array",'
+    '"items":{"type":"number"},"minItems":4,"maxItems":4,"description":"The bounding box of the '
+    "region to zoom in, as [x1, y1, x2, y2], where (x1, y1) is the top-left corner and (x2, y2) "
+    'is the bottom-right corner."},"label":{"type":"string","description":"The name or label of '
+    'the object in the specified bounding box (optional)."}},"required":["bbox"]}}}'
+)
+DEEPEYES_SYSTEM = (
+    "You are a helpful assistant.\n\n"
+    "# Tools\n"
+    "You may call one or more functions to assist with the user query.\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n"
+    "<tools>\n" + _DEEPEYES_TOOL_SCHEMA + "\n</tools>\n\n"
+    "# How to call a tool\n"
+    "Return a json object with function name and arguments within <tool_call></tool_call> XML "
+    "tags:\n"
+    "<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n'
+    "</tool_call>\n\n"
+    "**Example**:  \n"
+    "<tool_call>  \n"
+    '{"name": "image_zoom_in_tool", "arguments": {"bbox_2d": [10, 20, 100, 200], "label": '
+    '"the apple on the desk"}}  \n'
+    "</tool_call>"
+)
+DEEPEYES_USER_SUFFIX = (
+    "\nThink first, call **image_zoom_in_tool** if needed, then answer. Format strictly as:  "
+    "<think>...</think>  <tool_call>...</tool_call> (if tools needed)  <answer>...</answer> "
+)
+DEEPEYES_STOP = ("</tool_call>", "</answer>", "<|im_end|>")
+ZOOM_TOOL_NAME = "image_zoom_in_tool"
+
+
+def deepeyes_system_prompt() -> str:
+    return DEEPEYES_SYSTEM
+
+
+def question_block(question: str, options: Sequence[str] | None = None) -> str:
+    """`Question: {q}` and, for multiple choice, an `Options:` list as the DeepEyes eval wrote it."""
+    if not options:
+        return f"Question: {question}"
+    if len(options) > len(OPTION_LETTERS):
+        raise ValueError(f"at most {len(OPTION_LETTERS)} options are supported, got {len(options)}")
+    lines = "".join(f"{OPTION_LETTERS[i]}. {opt}\n" for i, opt in enumerate(options))
+    return f"Question: {question}\nOptions: \n{lines}\n"
+
+
+def image_part(image) -> dict:
+    """An OpenAI-style image content part holding an in-memory PIL image."""
+    return {"type": "image", "image": image}
+
+
+def text_part(text: str) -> dict:
+    return {"type": "text", "text": text}
+
+
+def judge_messages(image, question: str, options: Sequence[str] | None = None) -> list[dict]:
+    return [
+        {"role": "system", "content": JUDGE_SYSTEM},
+        {
+            "role": "user",
+            "content": [image_part(image), text_part(question_block(question, options) + JUDGE_SUFFIX)],
+        },
+    ]
+
+
+def small_messages(image, question: str, options: Sequence[str] | None = None) -> list[dict]:
+    return [
+        {"role": "system", "content": SMALL_SYSTEM},
+        {
+            "role": "user",
+            "content": [image_part(image), text_part(question_block(question, options) + SMALL_SUFFIX)],
+        },
+    ]
+
+
+def deepeyes_messages(image, question: str, options: Sequence[str] | None = None) -> list[dict]:
+    return [
+        {"role": "system", "content": DEEPEYES_SYSTEM},
+        {
+            "role": "user",
+            "content": [
+                image_part(image),
+                text_part(question_block(question, options) + DEEPEYES_USER_SUFFIX),
+            ],
+        },
+    ]
+
+
+def deepeyes_tool_response(crop) -> dict:
+    """The user turn that returns a zoomed crop, exactly as the DeepEyes loop builds it."""
+    return {
+        "role": "user",
+        "content": [
+            text_part("<tool_response>"),
+            image_part(crop),
+            text_part(DEEPEYES_USER_SUFFIX),
+            text_part("</tool_response>"),
+        ],
+    }

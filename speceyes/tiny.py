@@ -1,0 +1,236 @@
+"""Build tiny, randomly initialised Qwen-VL checkpoints entirely offline.
+
+They are real checkpoints: a config, safetensors weights, a byte-level BPE tokenizer, an image
+processor config and a chat template, written with ``save_pretrained`` and read back through the
+same ``from_pretrained`` path a user's DeepEyes or Qwen3-VL folder takes. Tests and the offline
+quick start use them; no hub is ever contacted.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+from speceyes import prompts
+
+Family = Literal["qwen2_5_vl", "qwen3_vl"]
+
+# Ids of the Qwen special tokens in our tiny vocabulary are assigned by the tokenizer builder;
+# the order matches the real vocabulary so templates read the same.
+SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
+# Real Qwen tokenizers carry these as plain added tokens (not "special"), so decoding keeps them.
+ADDED_TOKENS = ["<tool_call>", "</tool_call>", "<think>", "</think>", "<answer>", "</answer>"]
+
+# A Qwen2.5-VL style chat template: content may be a string or a list of text/image parts.
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if loop.first and message['role'] != 'system' %}"
+    "{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string %}{{- message['content'] }}"
+    "{%- else %}{%- for part in message['content'] %}"
+    "{%- if part['type'] in ('image', 'image_url') %}"
+    "{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- elif part['type'] == 'text' %}{{- part['text'] }}"
+    "{%- endif %}{%- endfor %}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def _corpus() -> list[str]:
+    """Text the tiny BPE is trained on: our prompts plus common answer words and digits."""
+    words = (
+        "yes no Yes No YES NO A B C D E left right top bottom red green blue yellow black white "
+        "gray brown orange purple teal circle rectangle triangle shape color colour object small "
+        "large What Which Is is there the a an of on in image picture answer Answer Question Options "
+        "think tool call bbox_2d label image_zoom_in_tool name arguments 0 1 2 3 4 5 6 7 8 9 "
+        "[ ] { } , : \" . ? ! ( ) - _ < > / \n"
+    )
+    texts = [
+        prompts.JUDGE_SYSTEM,
+        prompts.JUDGE_SUFFIX,
+        prompts.SMALL_SYSTEM,
+        prompts.DEEPEYES_USER_SUFFIX,
+        prompts.deepeyes_system_prompt(),
+        words,
+    ]
+    return texts * 20
+
+
+def build_tokenizer(out_dir: Path, vocab_size: int = 600):
+    """Train a byte-level BPE offline and wrap it as a Qwen-style fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=SPECIAL_TOKENS,
+    )
+    fast.add_tokens(ADDED_TOKENS, special_tokens=False)
+    fast.padding_side = "left"
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out_dir)
+    return fast
+
+
+def build_tiny_model(
+    out_dir: str | Path,
+    family: Family = "qwen2_5_vl",
+    *,
+    text_hidden: int = 64,
+    text_layers: int = 2,
+    vision_hidden: int = 32,
+    vision_depth: int = 2,
+    seed: int = 0,
+    lm_head_scale: float = 1.0,
+) -> Path:
+    """Write a tiny random checkpoint of ``family`` to ``out_dir`` and return the folder.
+
+    ``lm_head_scale`` multiplies the LM head so that random logits are peaked (confident answers)
+    rather than nearly flat, for tests that need the gate to accept.
+    """
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(out)
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    vocab = len(tokenizer)
+    heads = 4
+    head_dim = text_hidden // heads
+    half = head_dim // 2
+    torch.manual_seed(seed)
+
+    if family == "qwen2_5_vl":
+        from transformers import Qwen2_5_VLConfig as Config
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+            Qwen2VLImageProcessorPil as ImageProcessor,
+        )
+
+        patch = 14
+        # M-RoPE sections (t, h, w) scaled from the real [16, 24, 24] of a 128-dim head.
+        section = [half - 2 * (3 * half // 8), 3 * half // 8, 3 * half // 8]
+        vision = {
+            "depth": vision_depth,
+            "hidden_size": vision_hidden,
+            "intermediate_size": vision_hidden * 2,
+            "num_heads": 2,
+            "out_hidden_size": text_hidden,
+            "patch_size": patch,
+            "window_size": 112,
+            "fullatt_block_indexes": [vision_depth - 1],
+        }
+        rope = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": section}
+        extra_text: dict = {}
+    elif family == "qwen3_vl":
+        from transformers import Qwen3VLConfig as Config
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+            Qwen2VLImageProcessorPil as ImageProcessor,
+        )
+
+        patch = 16
+        section = [half - 2 * (5 * half // 16), 5 * half // 16, 5 * half // 16]
+        vision = {
+            "depth": vision_depth,
+            "hidden_size": vision_hidden,
+            "intermediate_size": vision_hidden * 2,
+            "num_heads": 2,
+            "out_hidden_size": text_hidden,
+            "patch_size": patch,
+            "num_position_embeddings": 64,
+            "deepstack_visual_indexes": [vision_depth - 1],
+        }
+        rope = {
+            "rope_type": "default",
+            "rope_theta": 5000000.0,
+            "mrope_section": section,
+            "mrope_interleaved": True,
+        }
+        extra_text = {"head_dim": head_dim}
+    else:
+        raise ValueError(f"unknown family {family!r}; use 'qwen2_5_vl' or 'qwen3_vl'")
+
+    text = {
+        "vocab_size": vocab,
+        "hidden_size": text_hidden,
+        "intermediate_size": text_hidden * 2,
+        "num_hidden_layers": text_layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 4096,
+        "rope_parameters": rope,
+        "bos_token_id": ids["<|endoftext|>"],
+        "eos_token_id": ids["<|im_end|>"],
+        "pad_token_id": ids["<|endoftext|>"],
+        **extra_text,
+    }
+    config = Config(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+    model = AutoModelForImageTextToText.from_config(config)
+    if lm_head_scale != 1.0:
+        with torch.no_grad():
+            model.lm_head.weight.mul_(lm_head_scale)
+    model.generation_config.eos_token_id = ids["<|im_end|>"]
+    model.generation_config.pad_token_id = ids["<|endoftext|>"]
+    model.generation_config.do_sample = False
+    model.save_pretrained(out)
+
+    # Small pixel budget keeps tiny tests fast; real checkpoints carry their own limits.
+    factor = patch * 2
+    # Normalisation constants of the real processors (CLIP's for Qwen2.5-VL, 0.5 for Qwen3-VL).
+    if family == "qwen3_vl":
+        mean, std = [0.5, 0.5, 0.5], [0.5, 0.5, 0.5]
+    else:
+        mean = [0.48145466, 0.4578275, 0.40821073]
+        std = [0.26862954, 0.26130258, 0.27577711]
+    processor = ImageProcessor(
+        patch_size=patch,
+        merge_size=2,
+        temporal_patch_size=2,
+        min_pixels=4 * factor * factor,
+        max_pixels=64 * factor * factor,
+        image_mean=mean,
+        image_std=std,
+    )
+    processor.save_pretrained(out)
+    (out / "speceyes_tiny.json").write_text(json.dumps({"family": family, "seed": seed}))
+    return out
