@@ -86,7 +86,7 @@ def build_tokenizer(out_dir: Path, vocab_size: int = 600):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=[],
+        special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -114,11 +114,14 @@ def build_tiny_model(
     vision_depth: int = 2,
     seed: int = 0,
     lm_head_scale: float = 1.0,
+    silent: bool = False,
 ) -> Path:
     """Write a tiny random checkpoint of ``family`` to ``out_dir`` and return the folder.
 
     ``lm_head_scale`` multiplies the LM head so that random logits are peaked (confident answers)
-    rather than nearly flat, for tests that need the gate to accept.
+    rather than nearly flat, for tests that need the gate to accept. ``silent`` zeroes the LM
+    head: every logit ties, greedy decoding picks id 0 (``<|endoftext|>``, an EOS), and every
+    answer is empty - the edge case of a reply with no tokens before EOS.
     """
     import torch
     from transformers import AutoModelForImageTextToText
@@ -206,10 +209,13 @@ def build_tiny_model(
         tie_word_embeddings=False,
     )
     model = AutoModelForImageTextToText.from_config(config)
-    if lm_head_scale != 1.0:
-        with torch.no_grad():
+    with torch.no_grad():
+        if silent:
+            model.lm_head.weight.zero_()
+        elif lm_head_scale != 1.0:
             model.lm_head.weight.mul_(lm_head_scale)
-    model.generation_config.eos_token_id = ids["<|im_end|>"]
+    # As in the real Qwen generation configs, both <|im_end|> and <|endoftext|> end a reply.
+    model.generation_config.eos_token_id = [ids["<|im_end|>"], ids["<|endoftext|>"]]
     model.generation_config.pad_token_id = ids["<|endoftext|>"]
     model.generation_config.do_sample = False
     model.save_pretrained(out)

@@ -64,7 +64,11 @@ class Result:
     confidence: float | None = None
     p_tool: float | None = None
     small_answer: str | None = None
+    agent_answer: str | None = None
+    judge_tool: bool | None = None
+    small_topk: np.ndarray | None = None  # [tokens, K] top-K logits of the speculative answer
     tool_calls: int = 0
+    invalid_tool_calls: int = 0
     timings: dict[str, float] = field(default_factory=dict)
     trace: list[dict[str, Any]] = field(default_factory=list)
     error: str | None = None
@@ -77,7 +81,10 @@ class Result:
             "confidence": self.confidence,
             "p_tool": self.p_tool,
             "small_answer": self.small_answer,
+            "agent_answer": self.agent_answer,
+            "judge_tool": self.judge_tool,
             "tool_calls": self.tool_calls,
+            "invalid_tool_calls": self.invalid_tool_calls,
             "timings": dict(self.timings),
             "trace": list(self.trace),
             "error": self.error,

@@ -1,0 +1,5 @@
+import sys
+
+from speceyes.cli import main
+
+sys.exit(main())

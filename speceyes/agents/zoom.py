@@ -1,0 +1,198 @@
+"""The DeepEyes agent: think, call image_zoom_in_tool on a box, look at the crop, answer.
+
+Many loops run in lockstep: each step sends every unfinished conversation to the backend in one
+batch, so an engine can batch their turns. The model's text is parsed as JSON (never eval);
+every malformed call gets a clear message back and is recorded, and the loop never raises on
+model output.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from PIL import Image
+
+from speceyes import prompts
+from speceyes.agents.base import AgentOutcome, fallback_answer, last_answer
+from speceyes.backends.base import Backend, BackendError, Messages
+from speceyes.images import BoxError, View, load_image, zoom_crop
+from speceyes.types import Query
+
+MAX_TOOL_CALLS = 5
+MIN_BOX = 28
+
+
+class ToolCallError(ValueError):
+    """A tool call the model wrote cannot be run; the message is shown back to the model."""
+
+
+def parse_tool_call(text: str) -> dict[str, Any]:
+    """Arguments of the last <tool_call> in ``text``, validated; raises ToolCallError."""
+    start = text.rfind("<tool_call>")
+    if start < 0:
+        raise ToolCallError("no <tool_call> found")
+    body = text[start + len("<tool_call>") :]
+    end = body.find("</tool_call>")
+    if end < 0:
+        raise ToolCallError("the tool call is not closed with </tool_call>")
+    body = body[:end].strip()
+    try:
+        call = json.loads(body)
+    except json.JSONDecodeError as e:
+        raise ToolCallError(f"the tool call is not valid JSON ({e.msg} at char {e.pos})") from None
+    if not isinstance(call, dict):
+        raise ToolCallError('the tool call must be a JSON object {"name": ..., "arguments": {...}}')
+    name = call.get("name")
+    if name != prompts.ZOOM_TOOL_NAME:
+        raise ToolCallError(
+            f"unknown tool {name!r}; the only tool is {prompts.ZOOM_TOOL_NAME!r}"
+        )
+    args = call.get("arguments")
+    if isinstance(args, str):  # some models double-encode the arguments
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            pass
+    if not isinstance(args, dict):
+        raise ToolCallError('"arguments" must be a JSON object with "bbox_2d"')
+    if "bbox_2d" not in args:
+        raise ToolCallError('missing required argument "bbox_2d" = [x1, y1, x2, y2]')
+    label = args.get("label")
+    return {"bbox_2d": args["bbox_2d"], "label": label if isinstance(label, str) else None}
+
+
+def _error_turn(message: str) -> dict:
+    return {
+        "role": "user",
+        "content": [
+            prompts.text_part("<tool_response>"),
+            prompts.text_part(f"Error: {message}"),
+            prompts.text_part(prompts.DEEPEYES_USER_SUFFIX),
+            prompts.text_part("</tool_response>"),
+        ],
+    }
+
+
+@dataclass
+class _Loop:
+    query: Query
+    image: Image.Image
+    view: View
+    messages: Messages
+    outcome: AgentOutcome = field(default_factory=lambda: AgentOutcome(answer=""))
+    done: bool = False
+    started: float = field(default_factory=time.perf_counter)
+
+
+class ZoomAgent:
+    """DeepEyes' image_zoom_in_tool loop over any backend."""
+
+    name = "deepeyes"
+
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        max_tool_calls: int = MAX_TOOL_CALLS,
+        max_new_tokens: int = 1024,
+        min_box: int = MIN_BOX,
+    ) -> None:
+        self.backend = backend
+        self.max_tool_calls = max_tool_calls
+        self.max_new_tokens = max_new_tokens
+        self.min_box = min_box
+
+    def _start(self, query: Query) -> _Loop:
+        image = load_image(query.image)
+        return _Loop(
+            query=query,
+            image=image,
+            view=self.backend.view_of(image),
+            messages=prompts.deepeyes_messages(image, query.question, query.options),
+        )
+
+    def _zoom(self, loop: _Loop, args: dict[str, Any]) -> Image.Image:
+        factor = getattr(self.backend, "factor", 28)
+        crop, _, box = zoom_crop(
+            loop.image,
+            loop.view,
+            args["bbox_2d"],
+            coords=self.backend.box_coords,
+            factor=factor,
+            min_pixels=getattr(self.backend, "min_pixels", 4 * factor * factor),
+            max_pixels=getattr(self.backend, "max_pixels", 16384 * factor * factor),
+            min_size=self.min_box,
+        )
+        loop.outcome.trace.append(
+            {"type": "zoom", "bbox_2d": args["bbox_2d"], "label": args["label"],
+             "crop_box": list(box), "crop_size": [crop.width, crop.height]}
+        )
+        return crop
+
+    def _step(self, loop: _Loop, text: str, finish: str) -> None:
+        """Consume one assistant turn: finish, run the tool, or report a bad call."""
+        out = loop.outcome
+        out.turns += 1
+        out.trace.append({"type": "assistant", "text": text, "finish": finish})
+        loop.messages.append({"role": "assistant", "content": text})
+        answer = last_answer(text)
+        if answer is not None:
+            out.answer, loop.done = answer, True
+            return
+        if "<tool_call>" not in text:
+            # No tool call and no answer: the model broke the format; keep what it said.
+            out.answer, loop.done = fallback_answer(text), True
+            out.trace.append({"type": "format_error", "error": "no <answer> and no <tool_call>"})
+            return
+        if out.tool_calls + out.invalid_tool_calls >= self.max_tool_calls:
+            out.answer, loop.done = fallback_answer(text.split("<tool_call>")[0]), True
+            out.trace.append({"type": "limit", "error": f"over {self.max_tool_calls} tool calls"})
+            return
+        try:
+            args = parse_tool_call(text)
+            crop = self._zoom(loop, args)
+        except (ToolCallError, BoxError) as e:
+            out.invalid_tool_calls += 1
+            out.trace.append({"type": "tool_error", "error": str(e)})
+            loop.messages.append(_error_turn(str(e)))
+            return
+        out.tool_calls += 1
+        loop.messages.append(prompts.deepeyes_tool_response(crop))
+
+    def run(self, queries: Sequence[Query]) -> list[AgentOutcome]:
+        """Run every query's loop to its end; loops advance together one turn per step."""
+        loops: list[_Loop | None] = []
+        outcomes: list[AgentOutcome] = []
+        for q in queries:
+            try:
+                loop = self._start(q)
+                loops.append(loop)
+                outcomes.append(loop.outcome)
+            except (OSError, ValueError) as e:
+                loops.append(None)
+                outcomes.append(AgentOutcome(answer="", error=f"{type(e).__name__}: {e}"))
+        active = [lp for lp in loops if lp is not None]
+        while active:
+            try:
+                turns = self.backend.chat(
+                    [lp.messages for lp in active],
+                    stop=prompts.DEEPEYES_STOP,
+                    max_new_tokens=self.max_new_tokens,
+                )
+            except BackendError as e:
+                for lp in active:
+                    lp.outcome.error, lp.done = str(e), True
+                break
+            for lp, turn in zip(active, turns, strict=True):
+                self._step(lp, turn.text, turn.finish_reason)
+            active = [lp for lp in active if not lp.done]
+        for lp in loops:
+            if lp is not None:
+                lp.outcome.trace.append(
+                    {"type": "end", "seconds": round(time.perf_counter() - lp.started, 6)}
+                )
+        return outcomes

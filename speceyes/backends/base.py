@@ -1,0 +1,70 @@
+"""The protocol every model runtime implements.
+
+Backends know nothing of the funnel. All of them take OpenAI-style chat messages: a list of
+``{"role": ..., "content": str | [parts]}`` where a part is ``{"type": "text", "text": ...}`` or
+``{"type": "image", "image": <PIL image | path | bytes>}``, so prompts and agents are written once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal, Protocol, runtime_checkable
+
+from speceyes.images import View
+from speceyes.types import ChatTurn, SpecAnswer
+
+Messages = list[dict[str, Any]]
+JudgeMode = Literal["logit", "decode"]
+
+# First-token variants whose probabilities are summed for the one-step judge.
+YES_VARIANTS = ("yes", "Yes", "YES", " yes", " Yes", " YES")
+NO_VARIANTS = ("no", "No", "NO", " no", " No", " NO")
+
+
+class BackendError(RuntimeError):
+    """A model call failed (timeout, server error, out of memory); the message says which."""
+
+
+@runtime_checkable
+class Backend(Protocol):
+    name: str
+    # "absolute" pixels of the resized view (Qwen2.5-VL) or "relative1000" (Qwen3-VL).
+    box_coords: Literal["absolute", "relative1000"]
+
+    def view_of(self, image: Any) -> View:
+        """The geometry of ``image`` as this model sees it (after its smart_resize)."""
+        ...
+
+    def judge(self, batch: Sequence[Messages], mode: JudgeMode = "logit") -> list[float]:
+        """P(tool) per conversation. ``decode`` mode returns 0.0 or 1.0 (published rule)."""
+        ...
+
+    def answer(
+        self, batch: Sequence[Messages], max_new_tokens: int = 20, top_k: int = 64
+    ) -> list[SpecAnswer]:
+        """Greedy answers with the top-K logits of every generated token before EOS."""
+        ...
+
+    def chat(
+        self, batch: Sequence[Messages], stop: Sequence[str] = (), max_new_tokens: int = 1024
+    ) -> list[ChatTurn]:
+        """One greedy assistant turn per conversation, ended by EOS or the first stop string."""
+        ...
+
+
+def cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, str | None]:
+    """Truncate ``text`` after the earliest stop string (kept, as the model wrote it)."""
+    best: tuple[int, str] | None = None
+    for s in stop:
+        i = text.find(s)
+        if i >= 0 and (best is None or i < best[0]):
+            best = (i, s)
+    if best is None:
+        return text, None
+    i, s = best
+    return text[: i + len(s)], s
+
+
+def decode_rule_p_tool(text: str) -> float:
+    """The published rule: a judge reply starting with "no" means tool-free (P(tool) = 0)."""
+    return 0.0 if text.strip().lower().startswith("no") else 1.0

@@ -1,0 +1,311 @@
+"""In-process transformers backend: batched, left-padded, greedy.
+
+Loads any Qwen2.5-VL or Qwen3-VL checkpoint (a local folder or a hub id) through
+``AutoModelForImageTextToText``. Inputs are built here from the tokenizer, the chat template and
+the image processor (the same expansion of ``<|image_pad|>`` the Qwen processors do), so no
+video processor and hence no torchvision is needed; ``mm_token_type_ids`` always reaches the
+model, without which Qwen2.5-VL silently loses M-RoPE and Qwen3-VL refuses to run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from speceyes.backends.base import (
+    NO_VARIANTS,
+    YES_VARIANTS,
+    BackendError,
+    JudgeMode,
+    Messages,
+    cut_at_stop,
+    decode_rule_p_tool,
+)
+from speceyes.images import View, load_image, resize_for_model, smart_resize
+from speceyes.types import ChatTurn, SpecAnswer
+
+log = logging.getLogger(__name__)
+
+_FAMILIES = {"qwen2_5_vl": ("absolute", 28), "qwen3_vl": ("relative1000", 32)}
+
+
+class ModelLoadError(ValueError):
+    """A model path or hub id could not be loaded; the message says what was tried."""
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+class HFBackend:
+    """A Qwen-VL checkpoint run in this process with transformers."""
+
+    def __init__(
+        self,
+        model: str | Path,
+        *,
+        dtype: str = "auto",
+        device_map: str | dict | None = None,
+        attn_implementation: str | None = None,
+        min_pixels: int | None = None,
+        max_pixels: int | None = None,
+        name: str | None = None,
+    ) -> None:
+        import torch
+        from transformers import (
+            AutoConfig,
+            AutoImageProcessor,
+            AutoModelForImageTextToText,
+            AutoTokenizer,
+        )
+
+        self._torch = torch
+        source = str(model)
+        local = Path(source).expanduser()
+        if local.exists():
+            if not (local / "config.json").is_file():
+                raise ModelLoadError(f"{local} is not a model folder: it has no config.json")
+            source = str(local)
+        elif source.startswith((".", "/", "~")) or source.count("/") > 1:
+            raise ModelLoadError(f"model path {source!r} does not exist")
+        self.name = name or Path(source).name
+        try:
+            config = AutoConfig.from_pretrained(source)
+            self.tokenizer = AutoTokenizer.from_pretrained(source)
+            self.image_processor = AutoImageProcessor.from_pretrained(source)
+        except (OSError, ValueError) as e:
+            raise ModelLoadError(
+                f"could not load model {source!r}: not a local folder, and not reachable as a hub "
+                f"id ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+            ) from e
+        if config.model_type not in _FAMILIES:
+            raise ModelLoadError(
+                f"{source}: model type {config.model_type!r} is not supported; "
+                f"speceyes runs {', '.join(_FAMILIES)} checkpoints"
+            )
+        self.family = config.model_type
+        self.box_coords, default_factor = _FAMILIES[self.family]
+        kwargs: dict[str, Any] = {"dtype": dtype}
+        if device_map is not None:
+            kwargs["device_map"] = device_map
+        if attn_implementation is not None:
+            kwargs["attn_implementation"] = attn_implementation
+        self.model = AutoModelForImageTextToText.from_pretrained(source, **kwargs).eval()
+
+        ip = self.image_processor
+        self.factor = int(getattr(ip, "patch_size", default_factor // 2)) * int(
+            getattr(ip, "merge_size", 2)
+        )
+        size = getattr(ip, "size", None) or {}
+        get = size.get if isinstance(size, dict) else lambda k, d=None: getattr(size, k, d)
+        self.min_pixels = min_pixels or get("shortest_edge") or 4 * self.factor**2
+        self.max_pixels = max_pixels or get("longest_edge") or 16384 * self.factor**2
+        self.merge = int(getattr(ip, "merge_size", 2))
+
+        tok = self.tokenizer
+        tok.padding_side = "left"
+        if tok.pad_token_id is None:
+            tok.pad_token = tok.eos_token
+        if tok.chat_template is None:
+            tmpl = local / "chat_template.jinja" if local.exists() else None
+            data = _read_json(local / "chat_template.json") if local.exists() else {}
+            if tmpl is not None and tmpl.is_file():
+                tok.chat_template = tmpl.read_text()
+            elif data.get("chat_template"):
+                tok.chat_template = data["chat_template"]
+            else:
+                raise ModelLoadError(f"{source}: no chat template found")
+        self.image_token = "<|image_pad|>"
+        self.image_token_id = tok.convert_tokens_to_ids(self.image_token)
+        self.eos_ids = self._eos_ids()
+        self.yes_ids, self.no_ids = self._answer_token_ids()
+        # Generation is not re-entrant on one model; concurrent callers queue here.
+        self._lock = threading.Lock()
+
+    # ---- geometry -------------------------------------------------------------------------
+    def view_of(self, image: Any) -> View:
+        img = load_image(image)
+        h, w = smart_resize(img.height, img.width, self.factor, self.min_pixels, self.max_pixels)
+        return View(orig_w=img.width, orig_h=img.height, view_w=w, view_h=h)
+
+    # ---- input building -------------------------------------------------------------------
+    def _eos_ids(self) -> set[int]:
+        ids = {self.tokenizer.eos_token_id, self.tokenizer.convert_tokens_to_ids("<|im_end|>")}
+        gen = getattr(self.model, "generation_config", None)
+        extra = getattr(gen, "eos_token_id", None)
+        if isinstance(extra, int):
+            ids.add(extra)
+        elif extra:
+            ids.update(extra)
+        return {i for i in ids if isinstance(i, int) and i >= 0}
+
+    def _answer_token_ids(self) -> tuple[list[int], list[int]]:
+        def first_ids(words: Sequence[str]) -> set[int]:
+            out = set()
+            for w in words:
+                ids = self.tokenizer.encode(w, add_special_tokens=False)
+                # Only a first token that itself starts the word counts (not a bare space).
+                if ids and self.tokenizer.decode(ids[:1]).strip():
+                    out.add(ids[0])
+            return out
+
+        yes, no = first_ids(YES_VARIANTS), first_ids(NO_VARIANTS)
+        shared = yes & no
+        return sorted(yes - shared), sorted(no - shared)
+
+    def _prepare(self, batch: Sequence[Messages], add_generation_prompt: bool = True):
+        torch = self._torch
+        texts, images = [], []
+        for messages in batch:
+            clean = []
+            for m in messages:
+                content = m["content"]
+                if isinstance(content, list):
+                    parts = []
+                    for p in content:
+                        if p.get("type") in ("image", "image_url"):
+                            src = p.get("image")
+                            if src is None and isinstance(p.get("image_url"), dict):
+                                src = p["image_url"].get("url")
+                            img, _ = resize_for_model(
+                                load_image(src), self.factor, self.min_pixels, self.max_pixels
+                            )
+                            images.append(img)
+                            parts.append({"type": "image"})
+                        else:
+                            parts.append(p)
+                    content = parts
+                clean.append({"role": m["role"], "content": content})
+            texts.append(
+                self.tokenizer.apply_chat_template(
+                    clean, tokenize=False, add_generation_prompt=add_generation_prompt
+                )
+            )
+        extra: dict[str, Any] = {}
+        if images:
+            pix = self.image_processor(images=images, return_tensors="pt")
+            grid = pix["image_grid_thw"]
+            counts = (grid.prod(dim=-1) // (self.merge**2)).tolist()
+            k = 0
+            expanded = []
+            for t in texts:
+                pieces = t.split(self.image_token)
+                out = pieces[0]
+                for piece in pieces[1:]:
+                    out += "<|placeholder|>" * counts[k] + piece
+                    k += 1
+                expanded.append(out.replace("<|placeholder|>", self.image_token))
+            texts = expanded
+            extra = {"pixel_values": pix["pixel_values"], "image_grid_thw": grid}
+        enc = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        enc["mm_token_type_ids"] = (enc["input_ids"] == self.image_token_id).to(torch.int64)
+        enc.update(extra)
+        device = self.model.device
+        dtype = self.model.dtype
+        return {
+            k: (v.to(device=device, dtype=dtype) if k == "pixel_values" else v.to(device))
+            for k, v in enc.items()
+        }
+
+    def _generate(self, inputs: dict, **kwargs):
+        torch = self._torch
+        with self._lock, torch.inference_mode():
+            try:
+                return self.model.generate(
+                    **inputs,
+                    do_sample=False,
+                    temperature=None,
+                    top_p=None,
+                    top_k=None,
+                    return_dict_in_generate=True,
+                    pad_token_id=self.tokenizer.pad_token_id,
+                    eos_token_id=sorted(self.eos_ids),
+                    **kwargs,
+                )
+            except torch.OutOfMemoryError as e:  # pragma: no cover - GPU only
+                raise BackendError(f"{self.name}: out of memory; lower --batch-size") from e
+
+    def _trim(self, ids: list[int]) -> list[int]:
+        """Generated ids up to (not including) the first EOS or padding."""
+        out = []
+        for i in ids:
+            if i in self.eos_ids or i == self.tokenizer.pad_token_id:
+                break
+            out.append(i)
+        return out
+
+    # ---- protocol -------------------------------------------------------------------------
+    def judge(self, batch: Sequence[Messages], mode: JudgeMode = "logit") -> list[float]:
+        if not batch:
+            return []
+        inputs = self._prepare(batch)
+        if mode == "decode":
+            out = self._generate(inputs, max_new_tokens=10)
+            gen = out.sequences[:, inputs["input_ids"].shape[1] :].tolist()
+            return [decode_rule_p_tool(self.tokenizer.decode(self._trim(g))) for g in gen]
+        if mode != "logit":
+            raise ValueError(f"unknown judge mode {mode!r}; use 'logit' or 'decode'")
+        if not self.yes_ids or not self.no_ids:
+            raise BackendError(f"{self.name}: tokenizer has no distinct yes/no tokens")
+        torch = self._torch
+        with self._lock, torch.inference_mode():
+            logits = self.model(**inputs).logits[:, -1, :].float()
+        probs = torch.softmax(logits, dim=-1)
+        p_yes = probs[:, self.yes_ids].sum(-1)
+        p_no = probs[:, self.no_ids].sum(-1)
+        return (p_yes / (p_yes + p_no).clamp_min(1e-30)).tolist()
+
+    def answer(
+        self, batch: Sequence[Messages], max_new_tokens: int = 20, top_k: int = 64
+    ) -> list[SpecAnswer]:
+        if not batch:
+            return []
+        torch = self._torch
+        inputs = self._prepare(batch)
+        out = self._generate(inputs, max_new_tokens=max_new_tokens, output_logits=True)
+        # Keep only top-K per step on the device: never hold [tokens, vocabulary] per answer.
+        k = min(top_k, out.logits[0].shape[-1])
+        topk = torch.stack([step.float().topk(k, dim=-1).values for step in out.logits], dim=1)
+        topk = topk.cpu().numpy()
+        gen = out.sequences[:, inputs["input_ids"].shape[1] :].tolist()
+        answers = []
+        for b, ids in enumerate(gen):
+            kept = self._trim(ids)
+            answers.append(
+                SpecAnswer(
+                    text=self.tokenizer.decode(kept, skip_special_tokens=True).strip(),
+                    topk=np.ascontiguousarray(topk[b, : len(kept)]),
+                    token_ids=kept,
+                )
+            )
+        return answers
+
+    def chat(
+        self, batch: Sequence[Messages], stop: Sequence[str] = (), max_new_tokens: int = 1024
+    ) -> list[ChatTurn]:
+        if not batch:
+            return []
+        inputs = self._prepare(batch)
+        kwargs: dict[str, Any] = {"max_new_tokens": max_new_tokens}
+        if stop:
+            kwargs.update(stop_strings=list(stop), tokenizer=self.tokenizer)
+        out = self._generate(inputs, **kwargs)
+        gen = out.sequences[:, inputs["input_ids"].shape[1] :].tolist()
+        turns = []
+        for ids in gen:
+            kept = self._trim(ids)
+            hit_eos = len(kept) < len(ids)
+            text = self.tokenizer.decode(kept, skip_special_tokens=True)
+            text, which = cut_at_stop(text, stop)
+            finish = "stop" if (which or hit_eos) else "length"
+            turns.append(ChatTurn(text=text, finish_reason=finish, stop=which, tokens=len(kept)))
+        return turns

@@ -1,0 +1,59 @@
+"""Shared fixtures: tiny real Qwen-VL checkpoints, built once per test session.
+
+They are saved with save_pretrained and loaded back through HFBackend, the same from_pretrained
+path a user's checkpoint takes. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from PIL import Image, ImageDraw
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory):
+    from speceyes.tiny import build_tiny_model
+
+    root = tmp_path_factory.mktemp("tiny-models")
+    return {
+        "qwen2_5_vl": build_tiny_model(root / "q25", "qwen2_5_vl", seed=2, lm_head_scale=20.0),
+        "qwen3_vl": build_tiny_model(root / "q3", "qwen3_vl", seed=1, lm_head_scale=8.0),
+        "silent": build_tiny_model(root / "silent", "qwen3_vl", seed=3, silent=True),
+    }
+
+
+@pytest.fixture(scope="session")
+def q25(tiny_dirs):
+    from speceyes.backends.hf import HFBackend
+
+    return HFBackend(tiny_dirs["qwen2_5_vl"])
+
+
+@pytest.fixture(scope="session")
+def q3(tiny_dirs):
+    from speceyes.backends.hf import HFBackend
+
+    return HFBackend(tiny_dirs["qwen3_vl"])
+
+
+@pytest.fixture(scope="session")
+def silent(tiny_dirs):
+    from speceyes.backends.hf import HFBackend
+
+    return HFBackend(tiny_dirs["silent"])
+
+
+def make_scene(size=(400, 300), box=(250, 40, 330, 120), color=(220, 30, 30)) -> Image.Image:
+    img = Image.new("RGB", size, (240, 240, 235))
+    ImageDraw.Draw(img).rectangle(box, fill=color)
+    return img
+
+
+@pytest.fixture
+def scene():
+    return make_scene()

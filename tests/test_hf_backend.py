@@ -1,0 +1,127 @@
+"""The transformers backend on tiny real Qwen2.5-VL and Qwen3-VL checkpoints."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from speceyes import gate, prompts
+from speceyes.backends.base import cut_at_stop, decode_rule_p_tool
+from speceyes.backends.hf import HFBackend, ModelLoadError
+from tests.conftest import make_scene
+
+FAMILIES = ["q25", "q3"]
+
+
+def _msgs(img, q="What color is the square?", opts=("red", "green")):
+    return prompts.small_messages(img, q, list(opts))
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_judge_logit_is_p_yes_over_p_yes_plus_no(request, name, scene):
+    be: HFBackend = request.getfixturevalue(name)
+    msgs = [prompts.judge_messages(scene, "Is it red?"), prompts.judge_messages(make_scene(), "Hm?")]
+    p = be.judge(msgs)
+    assert len(p) == 2 and all(0.0 <= x <= 1.0 for x in p)
+    # Recompute from one forward pass of the same inputs.
+    inputs = be._prepare(msgs)
+    with torch.inference_mode():
+        probs = torch.softmax(be.model(**inputs).logits[:, -1].float(), -1)
+    yes, no = probs[:, be.yes_ids].sum(-1), probs[:, be.no_ids].sum(-1)
+    np.testing.assert_allclose(p, (yes / (yes + no)).numpy(), rtol=1e-5)
+    assert set(be.yes_ids).isdisjoint(be.no_ids)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_judge_decode_mode_follows_published_rule(request, name, scene):
+    be: HFBackend = request.getfixturevalue(name)
+    msgs = [prompts.judge_messages(scene, "Is it red?")]
+    p = be.judge(msgs, mode="decode")
+    text = be.chat(msgs, max_new_tokens=10)[0].text
+    assert p == [decode_rule_p_tool(text)]
+    assert decode_rule_p_tool(" No, it is fine") == 0.0
+    assert decode_rule_p_tool("yes") == 1.0 and decode_rule_p_tool("") == 1.0
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_answer_topk_gate_equals_full_logits(request, name, scene):
+    be: HFBackend = request.getfixturevalue(name)
+    msgs = [_msgs(scene), _msgs(make_scene(box=(10, 10, 60, 60)), "Longer question here?")]
+    answers = be.answer(msgs, max_new_tokens=8, top_k=64)
+    for b, a in enumerate(answers):
+        assert a.topk.shape == (len(a.token_ids), 64)
+        assert np.all(np.diff(a.topk, axis=1) <= 0)  # sorted descending
+        assert len(a.token_ids) > 0
+        # Teacher-forced full-vocabulary logits at the generated positions, unpadded.
+        gen = torch.tensor([a.token_ids])
+        one = be._prepare([msgs[b]])
+        seq = torch.cat([one["input_ids"], gen], 1)
+        extra = {k: v for k, v in one.items() if k in ("pixel_values", "image_grid_thw")}
+        with torch.inference_mode():
+            logits = be.model(
+                input_ids=seq,
+                attention_mask=torch.ones_like(seq),
+                mm_token_type_ids=(seq == be.image_token_id).long(),
+                **extra,
+            ).logits[0]
+        n = one["input_ids"].shape[1]
+        full = logits[n - 1 : n - 1 + len(a.token_ids)].float().numpy()
+        for agg in ("min", "mean", "bottom"):
+            c_full = gate.answer_confidence(full, agg=agg)
+            c_topk = gate.answer_confidence(a.topk, agg=agg)
+            assert abs(c_full - c_topk) < 1e-3, (agg, c_full, c_topk)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_batched_left_padding_equals_one_at_a_time(request, name, scene):
+    be: HFBackend = request.getfixturevalue(name)
+    msgs = [_msgs(scene, "A?"), _msgs(make_scene(size=(200, 500)), "A much longer question, yes?")]
+    batched = be.answer(msgs, max_new_tokens=6)
+    single = [be.answer([m], max_new_tokens=6)[0] for m in msgs]
+    for x, y in zip(batched, single, strict=True):
+        assert x.token_ids == y.token_ids
+        np.testing.assert_allclose(x.topk, y.topk, atol=1e-3)
+
+
+def test_image_reaches_the_model(q25):
+    a = q25.answer([_msgs(make_scene(color=(255, 0, 0)))], max_new_tokens=3)[0]
+    b = q25.answer([_msgs(make_scene(color=(0, 0, 255)))], max_new_tokens=3)[0]
+    assert not np.allclose(a.topk, b.topk)
+
+
+def test_mm_token_type_ids_mark_image_tokens(q25, scene):
+    inputs = q25._prepare([_msgs(scene)])
+    n_img = int((inputs["input_ids"] == q25.image_token_id).sum())
+    grid = inputs["image_grid_thw"][0]
+    assert n_img == int(grid.prod()) // 4
+    assert int(inputs["mm_token_type_ids"].sum()) == n_img
+
+
+def test_view_of_uses_checkpoint_pixel_limits(q25):
+    v = q25.view_of(make_scene(size=(1000, 600)))
+    assert v.view_w % 28 == 0 and v.view_h % 28 == 0
+    assert v.view_w * v.view_h <= q25.max_pixels
+
+
+def test_empty_answer_has_no_tokens(silent, scene):
+    a = silent.answer([_msgs(scene)], max_new_tokens=5)[0]
+    assert a.text == "" and a.token_ids == [] and a.topk.shape == (0, 64)
+    assert np.isnan(gate.batch_confidence([a.topk])[0])
+
+
+def test_chat_length_and_stop(q3, scene):
+    t = q3.chat([_msgs(scene)], stop=("</answer>",), max_new_tokens=4)[0]
+    assert t.finish_reason in ("length", "stop") and t.tokens <= 4
+    assert cut_at_stop("a</tool_call> b</answer>", ["</answer>", "</tool_call>"]) == (
+        "a</tool_call>",
+        "</tool_call>",
+    )
+    assert cut_at_stop("plain", ["</answer>"]) == ("plain", None)
+
+
+def test_unknown_model_path_is_a_clear_error(tmp_path):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        HFBackend(tmp_path / "nope")
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        HFBackend(tmp_path)
