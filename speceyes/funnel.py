@@ -155,17 +155,12 @@ class Funnel:
                 results[i].route, results[i].answer = "small", results[i].small_answer or ""
             taken = set(accepted)
             rest = [i for i in live if i not in taken]
-            if cfg.mode == "both":
-                # Every query also runs the agent; routing (and the final answer) is unchanged.
-                self._phase_agent(live, list(live), results, route=None)
-                for i in rest:
-                    results[i].answer = results[i].agent_answer or ""
-            else:
-                self._phase_agent(live, rest, results, route=None)
+            # In "both" mode every query also runs the agent; routing is unchanged.
+            self._phase_agent(live, list(live) if cfg.mode == "both" else rest, results, None)
             for i in rest:
-                results[i].route = (
-                    "agent_after_judge" if results[i].judge_tool else "agent_after_gate"
-                )
+                r = results[i]
+                r.answer = r.agent_answer or ""
+                r.route = "agent_after_judge" if r.judge_tool else "agent_after_gate"
         return [results[i] for i in range(len(queries))]
 
     # ---- phases ---------------------------------------------------------------------------

@@ -1,0 +1,121 @@
+"""The four phases end to end on tiny real models, in every mode."""
+
+from __future__ import annotations
+
+import pytest
+
+from speceyes.agents.zoom import ZoomAgent
+from speceyes.funnel import Funnel, FunnelConfig
+from speceyes.types import Query
+from tests.conftest import make_scene
+
+
+def queries(n=4):
+    out = []
+    for i in range(n):
+        box = (20 + 40 * i, 30, 90 + 40 * i, 100)
+        out.append(
+            Query(id=f"q{i}", image=make_scene(box=box), question="What color?", options=["red", "blue"], answer="A")
+        )
+    return out
+
+
+@pytest.fixture
+def parts(q3, q25):
+    return q3, q25, ZoomAgent(q25, max_new_tokens=16)
+
+
+def run(parts, **cfg):
+    small, large, agent = parts
+    f = Funnel(small, large, agent, FunnelConfig(batch_size=3, **cfg))
+    return f, f.run(queries())
+
+
+def test_speceyes_runs_all_four_phases(parts):
+    # The tiny large model's judge leans "no" (P(tool) ~0.35): everything goes to phase II.
+    f, res = run(parts, tau=0.0)
+    assert all(r.judge_tool is False and 0 <= r.p_tool < 0.5 for r in res)
+    assert all(r.route == "small" and r.answer == r.small_answer for r in res)
+    assert f.stats.beta == 1.0 and f.stats.alpha == 1.0
+    assert all({"judge", "small", "gate"} <= set(r.timings) for r in res)
+    f, res = run(parts, tau=1.0)
+    assert all(r.route == "agent_after_gate" and "agent" in r.timings for r in res)
+    assert all(r.answer == r.agent_answer for r in res)
+    assert f.stats.alpha == 0.0
+
+
+def test_gate_splits_by_confidence(parts):
+    _, base = run(parts, tau=0.0)
+    confs = sorted(r.confidence for r in base)
+    tau = confs[len(confs) // 2]
+    f, res = run(parts, tau=tau)
+    for r in res:
+        assert r.route == ("small" if r.confidence > tau else "agent_after_gate")
+    assert f.stats.accepted == sum(r.confidence > tau for r in res)
+
+
+def test_judge_routes_straight_to_agent(parts):
+    f, res = run(parts, judge_threshold=0.0)  # every P(tool) >= 0: tools always needed
+    assert all(r.route == "agent_after_judge" and r.small_answer is None for r in res)
+    assert f.stats.beta == 0.0 and f.stats.alpha is None
+
+
+def test_decode_judge_mode(parts):
+    _, res = run(parts, judge_mode="decode")
+    assert all(r.p_tool in (0.0, 1.0) for r in res)
+
+
+def test_baseline_modes(parts):
+    _, agent_only = run(parts, mode="agent")
+    assert all(r.route == "agent_only" and r.p_tool is None and r.small_answer is None for r in agent_only)
+    _, small_only = run(parts, mode="small")
+    assert all(r.route == "small_only" and r.agent_answer is None and r.confidence is not None for r in small_only)
+    assert all("agent" not in r.timings and "judge" not in r.timings for r in small_only)
+
+
+def test_both_mode_logs_everything_and_routes_like_speceyes(parts):
+    _, spec = run(parts, tau=0.5)
+    _, both = run(parts, tau=0.5, mode="both")
+    for s, b in zip(spec, both, strict=True):
+        assert b.route == s.route and b.answer == s.answer
+        assert b.small_answer is not None and b.agent_answer is not None
+        assert b.small_topk is not None and "agent" in b.timings
+
+
+def test_empty_speculative_answer_goes_to_the_agent(silent, q25):
+    f = Funnel(silent, q25, ZoomAgent(q25, max_new_tokens=8), FunnelConfig(tau=0.0))
+    res = f.run(queries(2))
+    assert all(r.small_answer == "" and r.confidence is None for r in res)
+    assert all(r.route == "agent_after_gate" for r in res)
+
+
+def test_corrupt_image_is_an_error_result_and_the_rest_goes_on(parts, tmp_path):
+    bad = tmp_path / "corrupt.png"
+    bad.write_bytes(b"\x89PNG\r\n\x1a\n garbage")
+    qs = queries(2)
+    qs.insert(1, Query(id="bad", image=str(bad), question="?"))
+    f = Funnel(*parts, FunnelConfig(tau=0.0))
+    res = f.run(qs)
+    assert [r.id for r in res] == ["q0", "bad", "q1"]
+    assert res[1].route == "error" and "corrupt.png" in res[1].error
+    assert res[0].route == "small" and f.stats.errors == 1
+
+
+def test_streams_results_per_batch(parts):
+    small, large, agent = parts
+    f = Funnel(small, large, agent, FunnelConfig(batch_size=2, tau=0.0))
+    seen = []
+    it = f.iter_results(queries(4))
+    seen.append(next(it).id)
+    assert f.stats.queries == 2  # only the first batch has run
+    seen.extend(r.id for r in it)
+    assert seen == ["q0", "q1", "q2", "q3"]
+
+
+def test_config_errors(parts):
+    with pytest.raises(ValueError, match="mode"):
+        Funnel(*parts, FunnelConfig(mode="fast"))
+    with pytest.raises(ValueError, match="aggregation"):
+        Funnel(*parts, FunnelConfig(agg="max"))
+    with pytest.raises(ValueError, match="needs the large"):
+        Funnel(parts[0], None, None, FunnelConfig(mode="speceyes"))
