@@ -122,6 +122,53 @@ def cmd_ask(args: argparse.Namespace) -> int:
     return 1 if r.route == "error" else 0
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from speceyes.bench.datasets import canonical_bench, load_benchmark
+    from speceyes.bench.runner import EvalSpec, run_eval
+
+    bench = canonical_bench(args.bench)
+    loader_kw: dict = {}
+    if bench == "vstar":
+        loader_kw = {"shuffle": not args.no_shuffle, "seed": args.seed}
+    elif bench == "pope" and args.split:
+        loader_kw = {"split": args.split}
+    queries = load_benchmark(bench, args.data, **loader_kw)
+    first = next(queries, None)  # surface a bad --data before any model is loaded
+    if first is None:
+        raise ValueError(f"no queries found in {args.data}")
+    funnel = build_funnel(args)
+    out = Path(args.output or f"runs/{bench}-{funnel.config.mode}")
+    spec = EvalSpec(
+        bench=bench,
+        data=args.data,
+        output=out,
+        limit=args.limit,
+        resume=args.resume,
+        models={"small": args.small, "large": args.large},
+        loader_kw=loader_kw,
+    )
+
+    def chained():
+        yield first
+        yield from queries
+
+    res = run_eval(spec, funnel, chained(), progress=not args.no_progress)
+    print(f"run folder: {out}")
+    acc = res["accuracy"]
+    print(
+        f"n={res['n']} accuracy={acc:.4f} errors={res['n_errors']} "
+        f"time/query={res['time_per_query']:.3f}s beta={_fmt(res['beta'])} alpha={_fmt(res['alpha_accept'])}"
+    )
+    print(json.dumps(res["metrics"], indent=2))
+    return 0
+
+
+def _fmt(x) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from speceyes.demo import run_demo
 
@@ -145,6 +192,26 @@ def build_parser() -> argparse.ArgumentParser:
     add_funnel_args(ask)
     ask.set_defaults(func=cmd_ask)
 
+    ev = sub.add_parser(
+        "eval",
+        help="run a benchmark (V*, HR-Bench, POPE or your JSONL) and log every query",
+        description="Writes RUN_DIR/samples.jsonl (one line per query, as it finishes), "
+        "results.json (metrics, time, beta, alpha, config, versions) and plots/. "
+        "--resume continues a killed run without redoing or losing any sample.",
+    )
+    ev.add_argument("--bench", required=True, help="vstar | hrbench | pope | jsonl")
+    ev.add_argument("--data", required=True, help="V* folder, HR-Bench .tsv, POPE parquet/folder, or .jsonl")
+    ev.add_argument("--output", default=None, help="run folder (default runs/BENCH-MODE)")
+    ev.add_argument("--limit", type=int, default=None, help="only the first N queries")
+    ev.add_argument("--resume", action="store_true", help="continue the run in --output")
+    ev.add_argument("--no-shuffle", action="store_true", help="V*: keep published option order (answer always A)")
+    ev.add_argument("--seed", type=int, default=0, help="V*: option shuffle seed")
+    ev.add_argument("--split", default=None, help="POPE: adversarial | popular | random")
+    ev.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_model_args(ev)
+    add_funnel_args(ev)
+    ev.set_defaults(func=cmd_eval)
+
     demo = sub.add_parser(
         "demo", help="offline end-to-end run on tiny locally built models (no download)"
     )
@@ -165,7 +232,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (ImageError, ModelLoadError, BackendError, FileNotFoundError, ValueError) as e:
+    except (ImageError, ModelLoadError, BackendError, OSError, ValueError) as e:
         print(f"speceyes {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

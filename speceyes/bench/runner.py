@@ -1,0 +1,291 @@
+"""``speceyes eval``: run a benchmark through the funnel, one logged line per query.
+
+A run directory holds ``run.json`` (the configuration, written first), ``samples.jsonl`` (one
+line per query, appended and flushed as soon as the query finishes) and ``results.json``
+(metrics, written at the end). ``resume`` skips every id already logged, so a killed run loses at
+most the batch in flight and never logs a query twice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from speceyes import __version__
+from speceyes.bench import scoring
+from speceyes.funnel import Funnel
+from speceyes.types import Query, Result
+
+SAMPLES = "samples.jsonl"
+RESULTS = "results.json"
+RUN_CONFIG = "run.json"
+PHASES = ("judge", "small", "gate", "agent")
+
+
+class RunDirError(ValueError):
+    """The output folder cannot be used as asked (exists without --resume, config mismatch)."""
+
+
+@dataclass
+class EvalSpec:
+    bench: str
+    data: str
+    output: Path
+    limit: int | None = None
+    resume: bool = False
+    models: dict[str, str | None] = field(default_factory=dict)
+    loader_kw: dict[str, Any] = field(default_factory=dict)
+
+
+def _topk_list(topk: np.ndarray | None) -> list[list[float]] | None:
+    if topk is None:
+        return None
+    # float32 precision is what the models produce; 6 significant digits keep the gate exact to 1e-5.
+    return [[float(f"{v:.6g}") for v in row] for row in np.asarray(topk, dtype=np.float32)]
+
+
+def sample_record(q: Query, r: Result, mode: str) -> dict[str, Any]:
+    """The logged line for one query (the format `regate`, `calibrate` and `report` read)."""
+    small_correct = None if r.small_answer is None else scoring.is_correct(q, r.small_answer)
+    agent_correct = None if r.agent_answer is None else scoring.is_correct(q, r.agent_answer)
+    used_agent = r.route not in ("small", "small_only")
+    error = r.error if (r.route == "error" or (used_agent and r.error)) else None
+    return {
+        "id": q.id,
+        "category": q.category,
+        "meta": q.meta,
+        "question": q.question,
+        "options": q.options,
+        "answer": q.answer,
+        "mode": mode,
+        "route": r.route,
+        "p_tool": r.p_tool,
+        "judge_tool": r.judge_tool,
+        "small_answer": r.small_answer,
+        "small_correct": small_correct,
+        "confidence": r.confidence,
+        "small_topk": _topk_list(r.small_topk),
+        "agent_answer": r.agent_answer,
+        "agent_correct": agent_correct,
+        "prediction": r.answer,
+        "correct": error is None and scoring.is_correct(q, r.answer),
+        "tool_calls": r.tool_calls,
+        "invalid_tool_calls": r.invalid_tool_calls,
+        "timings": {k: round(v, 6) for k, v in r.timings.items()},
+        "error": error,
+        "agent_error": r.error if r.error and error is None else None,
+        "trace": r.trace,
+    }
+
+
+def read_logged(path: Path) -> list[dict[str, Any]]:
+    """Every complete line of a samples file; a torn last line (killed mid-write) is dropped."""
+    if not path.exists():
+        return []
+    records = []
+    with path.open("rb") as f:
+        lines = f.read().split(b"\n")
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i >= len(lines) - 2:  # the last line may be torn by a kill; anything else is not
+                break
+            raise RunDirError(f"{path}: line {i + 1} is not valid JSON") from None
+    return records
+
+
+def _truncate_torn_tail(path: Path) -> None:
+    """Drop a partial last line so appended lines start clean."""
+    if not path.exists():
+        return
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        path.write_bytes(data[: data.rfind(b"\n") + 1])
+
+
+def versions(models: dict[str, str | None]) -> dict[str, Any]:
+    out: dict[str, Any] = {"speceyes": __version__, "python": platform.python_version()}
+    for mod in ("torch", "transformers", "numpy"):
+        try:
+            out[mod] = __import__(mod).__version__
+        except ImportError:
+            pass
+    for role, path in models.items():
+        if path:
+            cfg = Path(path) / "config.json"
+            out[f"{role}_model"] = {
+                "path": str(path),
+                "config_mtime": cfg.stat().st_mtime if cfg.is_file() else None,
+            }
+    return out
+
+
+def summarize(records: list[dict[str, Any]], bench: str) -> dict[str, Any]:
+    """Metrics, beta, alpha and time share per phase from logged records."""
+    metrics = scoring.compute_metrics(bench, records)
+    judged = [r for r in records if r.get("judge_tool") is not None]
+    tool_free = [r for r in judged if not r["judge_tool"]]
+    accepted = [r for r in tool_free if r["route"] == "small"]
+    phase_time = {p: float(sum(r["timings"].get(p, 0.0) for r in records)) for p in PHASES}
+    total = sum(phase_time.values())
+    return {
+        "metrics": metrics,
+        "accuracy": float(np.mean([scoring.record_correct(r) for r in records]))
+        if records
+        else None,
+        "n": len(records),
+        "n_errors": sum(1 for r in records if r.get("error")),
+        "beta": len(tool_free) / len(judged) if judged else None,
+        "alpha_accept": len(accepted) / len(tool_free) if tool_free else None,
+        "routes": {
+            k: sum(1 for r in records if r["route"] == k)
+            for k in sorted({r["route"] for r in records})
+        },
+        "time_by_phase": phase_time,
+        "time_share": {p: (t / total if total else 0.0) for p, t in phase_time.items()},
+        "tool_calls_per_query": float(np.mean([r["tool_calls"] for r in records]))
+        if records
+        else 0.0,
+    }
+
+
+def _progress(total: int | None, done: int, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=done, disable=not enabled, unit="q", dynamic_ncols=True)
+
+
+def _limited(queries: Iterable[Query], limit: int | None) -> Iterator[Query]:
+    for i, q in enumerate(queries):
+        if limit is not None and i >= limit:
+            return
+        yield q
+
+
+def run_eval(
+    spec: EvalSpec,
+    funnel: Funnel,
+    queries: Iterable[Query],
+    *,
+    total: int | None = None,
+    progress: bool = True,
+    plots: bool = True,
+) -> dict[str, Any]:
+    """Run (or resume) an evaluation; returns the results dict also written to results.json."""
+    out = spec.output
+    out.mkdir(parents=True, exist_ok=True)
+    samples_path, cfg_path = out / SAMPLES, out / RUN_CONFIG
+    config = {
+        "bench": spec.bench,
+        "data": str(spec.data),
+        "limit": spec.limit,
+        **funnel.config.to_dict(),
+        "models": spec.models,
+        "agent": getattr(funnel.agent, "name", None),
+        "loader": spec.loader_kw,
+    }
+    state: dict[str, Any] = {"config": config, "segments": []}
+    if cfg_path.exists() or samples_path.exists():
+        if not spec.resume:
+            raise RunDirError(
+                f"{out} already holds a run; pass --resume to continue it or choose another --output"
+            )
+        if cfg_path.exists():
+            state = json.loads(cfg_path.read_text())
+            if state["config"] != json.loads(json.dumps(config)):
+                diff = sorted(
+                    k for k in config if state["config"].get(k) != json.loads(json.dumps(config[k]))
+                )
+                raise RunDirError(
+                    f"cannot resume {out}: the configuration differs in {', '.join(diff)}"
+                )
+    _truncate_torn_tail(samples_path)
+    done_records = read_logged(samples_path)
+    done_ids = {r["id"] for r in done_records}
+    _write_json(cfg_path, state)
+
+    todo = (q for q in _limited(queries, spec.limit) if q.id not in done_ids)
+    n_total = (
+        min(total, spec.limit) if (total is not None and spec.limit) else (total or spec.limit)
+    )
+    records = list(done_records)
+    bar = _progress(n_total, len(done_records), progress)
+    qmap: dict[str, Query] = {}
+
+    def remember(stream: Iterator[Query]) -> Iterator[Query]:
+        for q in stream:
+            qmap[q.id] = q
+            yield q
+
+    t0 = time.perf_counter()
+    try:
+        with samples_path.open("a", encoding="utf-8") as f:
+            for r in funnel.iter_results(remember(todo)):
+                q = qmap.pop(r.id)
+                rec = sample_record(q, r, funnel.config.mode)
+                f.write(json.dumps(rec, default=_json_default) + "\n")
+                f.flush()
+                records.append(rec)
+                bar.update(1)
+                s = funnel.stats
+                bar.set_postfix(
+                    acc=f"{np.mean([x['correct'] for x in records]):.3f}",
+                    beta="-" if s.beta is None else f"{s.beta:.2f}",
+                    alpha="-" if s.alpha is None else f"{s.alpha:.2f}",
+                    refresh=False,
+                )
+            os.fsync(f.fileno())
+    finally:
+        bar.close()
+        state["segments"].append(
+            {"seconds": time.perf_counter() - t0, "queries": len(records) - len(done_records)}
+        )
+        _write_json(cfg_path, state)
+
+    wall = float(sum(s["seconds"] for s in state["segments"]))
+    results = {
+        "config": config,
+        **summarize(records, spec.bench),
+        "wall_time": wall,
+        "time_per_query": wall / len(records) if records else None,
+        "qps": len(records) / wall if wall > 0 else None,
+        "segments": state["segments"],
+        "versions": versions(spec.models),
+    }
+    _write_json(out / RESULTS, results)
+    if plots:
+        from speceyes.bench.plots import write_run_plots
+
+        try:
+            results["plots"] = [str(p) for p in write_run_plots(out)]
+        except Exception as e:  # a plot must never cost the run's results
+            results["plots_error"] = f"{type(e).__name__}: {e}"
+        _write_json(out / RESULTS, results)
+    return results
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, np.generic):
+        return o.item()
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    if isinstance(o, Path):
+        return str(o)
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
+
+
+def _write_json(path: Path, data: Any) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=_json_default))
+    os.replace(tmp, path)
