@@ -46,7 +46,10 @@ def add_funnel_args(p: argparse.ArgumentParser) -> None:
         help="logit: one forward step, P(yes) vs P(no); decode: published 10-token rule",
     )
     g.add_argument("--batch-size", type=int, default=8)
-    g.add_argument("--max-tool-calls", type=int, default=5)
+    g.add_argument("--max-tool-calls", type=int, default=5, help="agent tool-call budget")
+    g.add_argument(
+        "--agent-max-tokens", type=int, default=1024, help="new tokens per agent turn"
+    )
     g.add_argument("--calibration", default=None, help="tau file written by speceyes calibrate")
 
 
@@ -81,7 +84,11 @@ def build_funnel(args: argparse.Namespace):
     large = None
     if config.mode != "small":
         large = small if args.large == args.small and small is not None else HFBackend(args.large, **kw)
-    agent = ZoomAgent(large, max_tool_calls=args.max_tool_calls) if large is not None else None
+    agent = None
+    if large is not None:
+        agent = ZoomAgent(
+            large, max_tool_calls=args.max_tool_calls, max_new_tokens=args.agent_max_tokens
+        )
     return Funnel(small, large, agent, config)
 
 
@@ -169,6 +176,78 @@ def _fmt(x) -> str:
     return "-" if x is None else f"{x:.3f}"
 
 
+def _floats(text: str) -> list[float]:
+    """'0.9,0.95,0.98' or a range 'start:stop:count' (inclusive)."""
+    import numpy as np
+
+    if ":" in text:
+        a, b, n = text.split(":")
+        return [float(x) for x in np.linspace(float(a), float(b), int(n))]
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from speceyes.bench.report import report, write_report
+
+    md, _ = report(args.runs)
+    print(md)
+    if args.output:
+        paths = write_report(args.runs, Path(args.output))
+        print(f"wrote {', '.join(str(p) for p in paths)}")
+    return 0
+
+
+def cmd_regate(args: argparse.Namespace) -> int:
+    from speceyes.bench.regate import default_taus, format_table, regate
+    from speceyes.bench.runlog import load_run
+
+    run = load_run(args.run, require_results=False)
+    taus = _floats(args.tau) if args.tau else list(default_taus())
+    ks = [int(k) for k in args.top_k.split(",")] if args.top_k else [None]
+    aggs = args.agg.split(",") if args.agg else [None]
+    rows = []
+    for k in ks:
+        for agg in aggs:
+            rows.extend(regate(run, taus, top_k=k, agg=agg))
+    if args.json:
+        from dataclasses import asdict
+
+        print(json.dumps([asdict(r) for r in rows], indent=2, default=float))
+    else:
+        print(format_table(rows))
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from speceyes.bench.calibrate import calibrate, write_calibration
+    from speceyes.bench.runlog import load_run
+
+    run = load_run(args.run, require_results=False)
+    cal = calibrate(
+        run,
+        max_error=args.max_error,
+        confidence=args.confidence,
+        top_k=args.top_k,
+        agg=args.agg,
+        min_relative_accuracy=args.min_relative_accuracy,
+    )
+    out = Path(args.output or Path(args.run) / "calibration.json")
+    write_calibration(cal, out)
+    status = "guarantee holds" if cal.passed else "no tau passed: accept nothing"
+    print(f"tau = {cal.tau:.6f}  ({status}; {cal.method}, n={cal.n})")
+    print(f"expected acceptance among tool-free = {cal.expected_acceptance:.3f}")
+    if cal.expected_speedup is not None:
+        print(f"expected speedup over agent-only = {cal.expected_speedup:.2f}x")
+    if cal.note:
+        print(cal.note)
+    print(f"wrote {out} (pass it to eval or serve with --calibration)")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from speceyes.demo import run_demo
 
@@ -211,6 +290,43 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(ev)
     add_funnel_args(ev)
     ev.set_defaults(func=cmd_eval)
+
+    rep = sub.add_parser("report", help="Table-1 style comparison of run folders")
+    rep.add_argument("runs", nargs="+", help="run folders written by speceyes eval")
+    rep.add_argument("--output", default=None, help="write report.md, report.csv and plots here")
+    rep.set_defaults(func=cmd_report)
+
+    rg = sub.add_parser(
+        "regate",
+        help="replay the gate offline from a --mode both run, for any tau, K and aggregation",
+    )
+    rg.add_argument("run", help="run folder of a --mode both eval")
+    rg.add_argument("--tau", default=None, help="'0.9,0.98' or 'start:stop:count' (default: a grid)")
+    rg.add_argument("--top-k", default=None, help="K values up to the logged K, e.g. '20,64'")
+    rg.add_argument("--agg", default=None, help="aggregations, e.g. 'min,mean,bottom,log'")
+    rg.add_argument("--json", action="store_true")
+    rg.set_defaults(func=cmd_regate)
+
+    cal = sub.add_parser(
+        "calibrate",
+        help="choose tau with a finite-sample guarantee on the error of accepted answers",
+        description="Learn-then-test with fixed-sequence testing and exact binomial bounds: the "
+        "error rate among accepted speculative answers is at most --max-error with probability "
+        "at least --confidence (over the calibration sample).",
+    )
+    cal.add_argument("run", help="run folder of a --mode both eval")
+    cal.add_argument("--max-error", type=float, default=0.05)
+    cal.add_argument("--confidence", type=float, default=0.9)
+    cal.add_argument(
+        "--min-relative-accuracy",
+        type=float,
+        default=None,
+        help="instead: funnel accuracy >= r x agent-only accuracy",
+    )
+    cal.add_argument("--top-k", type=int, default=None)
+    cal.add_argument("--agg", default=None, choices=list(gate.AGGREGATIONS))
+    cal.add_argument("--output", default=None, help="default RUN/calibration.json")
+    cal.set_defaults(func=cmd_calibrate)
 
     demo = sub.add_parser(
         "demo", help="offline end-to-end run on tiny locally built models (no download)"

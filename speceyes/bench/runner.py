@@ -229,6 +229,10 @@ def run_eval(
             yield q
 
     t0 = time.perf_counter()
+    # The segment is kept current in run.json as the run goes, so a killed run's time still counts.
+    segment = {"seconds": 0.0, "queries": 0}
+    state["segments"].append(segment)
+    last_save = t0
     try:
         with samples_path.open("a", encoding="utf-8") as f:
             for r in funnel.iter_results(remember(todo)):
@@ -245,12 +249,15 @@ def run_eval(
                     alpha="-" if s.alpha is None else f"{s.alpha:.2f}",
                     refresh=False,
                 )
+                now = time.perf_counter()
+                segment.update(seconds=now - t0, queries=len(records) - len(done_records))
+                if now - last_save > 1.0:
+                    _write_json(cfg_path, state)
+                    last_save = now
             os.fsync(f.fileno())
     finally:
         bar.close()
-        state["segments"].append(
-            {"seconds": time.perf_counter() - t0, "queries": len(records) - len(done_records)}
-        )
+        segment.update(seconds=time.perf_counter() - t0, queries=len(records) - len(done_records))
         _write_json(cfg_path, state)
 
     wall = float(sum(s["seconds"] for s in state["segments"]))
