@@ -45,7 +45,18 @@ def add_funnel_args(p: argparse.ArgumentParser) -> None:
         choices=["logit", "decode"],
         help="logit: one forward step, P(yes) vs P(no); decode: published 10-token rule",
     )
-    g.add_argument("--batch-size", type=int, default=8)
+    g.add_argument("--batch-size", type=int, default=8, help="queries per phase I-III batch")
+    g.add_argument(
+        "--schedule",
+        default="batched",
+        choices=["batched", "pipelined"],
+        help="pipelined: phases I-III of later batches run while agent loops continue, and "
+        "agent loops join one continuous batch (results in completion order)",
+    )
+    g.add_argument(
+        "--overlap", action="store_true", help="run phase II beside phase I (separate devices)"
+    )
+    g.add_argument("--max-agent-loops", type=int, default=32, help="agent loops in flight")
     g.add_argument("--max-tool-calls", type=int, default=5, help="agent tool-call budget")
     g.add_argument(
         "--agent-max-tokens", type=int, default=1024, help="new tokens per agent turn"
@@ -70,6 +81,9 @@ def funnel_config(args: argparse.Namespace):
         agg=agg,
         judge_mode=args.judge_mode,
         batch_size=args.batch_size,
+        schedule=args.schedule,
+        overlap=args.overlap,
+        max_agent_loops=args.max_agent_loops,
     )
 
 

@@ -1,4 +1,4 @@
-"""The four phases of SpecEyes over a batch of queries.
+"""The four phases of SpecEyes over a stream of queries.
 
 I   tool-need judgment on the large model: P(tool) per query; "yes" goes straight to IV.
 II  speculative answers from the small model, keeping the top-K logits of every token.
@@ -6,16 +6,31 @@ III the cognitive gate: accept iff sigmoid(alpha * separability) > tau.
 IV  the agent loop on the large model for everything not accepted.
 
 The baselines are modes of the same funnel: ``agent`` (IV for all), ``small`` (II for all) and
-``both`` (every phase for every query, routed as ``speceyes`` would, so that any gate setting can
-be replayed offline from the logs).
+``both`` (every phase for every query, routed as ``speceyes`` would, so any gate setting can be
+replayed offline from the logs).
+
+Two schedules give the same results for the same inputs under greedy decoding:
+
+- ``batched``: each batch of queries goes through I-III, then its agent loops run together.
+- ``pipelined``: phases I-III of later batches run while earlier agent loops are still going;
+  agent loops join and leave one shared batch as they start and finish (continuous batching,
+  at most ``max_agent_loops`` in flight), so an engine always has a full batch of agent turns.
+  Results come out in completion order.
+
+``overlap`` runs phase II on the whole batch at the same time as phase I (the small model's
+answers for queries the judge sends to tools are then discarded), which hides the small model's
+latency behind the judge when the two models live on different devices or servers.
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
-from typing import Literal
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
@@ -27,15 +42,22 @@ from speceyes.types import Query, Result
 
 Mode = Literal["speceyes", "agent", "small", "both"]
 MODES: tuple[str, ...] = ("speceyes", "agent", "small", "both")
+SCHEDULES: tuple[str, ...] = ("batched", "pipelined")
 
 
-class Agent:
-    """What the funnel needs of an agent: run loops for a batch of queries."""
+class AgentLoop(Protocol):
+    outcome: AgentOutcome
+    done: bool
+
+
+class Agent(Protocol):
+    """What the funnel needs of an agent: open loops and advance many by one batched turn."""
 
     name: str
 
-    def run(self, queries: Sequence[Query]) -> list[AgentOutcome]:  # pragma: no cover
-        raise NotImplementedError
+    def start_loop(self, query: Query) -> AgentLoop: ...
+
+    def advance(self, loops: Sequence[AgentLoop]) -> None: ...
 
 
 @dataclass
@@ -49,18 +71,23 @@ class FunnelConfig:
     judge_threshold: float = 0.5  # tool iff P(tool) >= threshold; 0.5 equals greedy yes-vs-no
     batch_size: int = 8
     max_new_tokens: int = 20
+    schedule: Literal["batched", "pipelined"] = "batched"
+    overlap: bool = False
+    max_agent_loops: int = 32
 
     def validate(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r}; choose from {', '.join(MODES)}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"unknown schedule {self.schedule!r}; choose from {SCHEDULES}")
         if self.agg not in gate.AGGREGATIONS:
             raise ValueError(f"unknown aggregation {self.agg!r}")
         if not 0.0 <= self.tau <= 1.0:
             raise ValueError(f"tau must be in [0, 1], got {self.tau}")
         if self.top_k < 2:
             raise ValueError("top_k must be at least 2")
-        if self.batch_size < 1:
-            raise ValueError("batch_size must be at least 1")
+        if self.batch_size < 1 or self.max_agent_loops < 1:
+            raise ValueError("batch_size and max_agent_loops must be at least 1")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -85,6 +112,16 @@ class FunnelStats:
         return self.accepted / self.tool_free if self.tool_free else None
 
 
+@dataclass
+class _Front:
+    """What phases I-III leave for phase IV."""
+
+    results: dict[int, Result]
+    live: dict[int, Query]
+    rest: list[int]  # queries whose final answer comes from the agent
+    agent: list[int]  # queries the agent must run (all live ones in "both" mode)
+
+
 class Funnel:
     def __init__(
         self,
@@ -102,6 +139,7 @@ class Funnel:
             raise ValueError(f"mode {mode!r} needs the small model")
         self.small, self.large, self.agent = small, large, agent
         self.stats = FunnelStats()
+        self._stats_lock = threading.Lock()
 
     # ---- public ---------------------------------------------------------------------------
     def run(
@@ -115,93 +153,101 @@ class Funnel:
         return results
 
     def iter_results(self, queries: Iterable[Query]) -> Iterator[Result]:
-        """Results in input order, one batch at a time, as soon as each batch is finished."""
-        batch: list[Query] = []
-        for q in queries:
-            batch.append(q)
-            if len(batch) == self.config.batch_size:
-                yield from self.run_batch(batch)
-                batch = []
-        if batch:
-            yield from self.run_batch(batch)
+        """Results as soon as they are final (input order when batched, else completion order)."""
+        if self.config.schedule == "pipelined":
+            yield from self._iter_pipelined(queries)
+            return
+        for chunk in _chunks(queries, self.config.batch_size):
+            yield from self.run_batch(chunk)
 
     def run_batch(self, queries: Sequence[Query]) -> list[Result]:
+        """All four phases for one batch; results in input order."""
+        front = self._front(queries)
+        loops = iter([(i, front.live[i]) for i in front.agent])
+        take = lambda block: next(loops, _END)  # noqa: E731
+        for i, outcome, seconds in self._drive_loops(take, max_active=None):
+            self._finish_agent(front, i, outcome, seconds)
+        return [front.results[i] for i in range(len(queries))]
+
+    # ---- phases I-III ---------------------------------------------------------------------
+    def _front(self, queries: Sequence[Query]) -> _Front:
         cfg = self.config
         results: dict[int, Result] = {}
-        loaded: list[tuple[int, Query]] = []
+        live: dict[int, Query] = {}
         for i, q in enumerate(queries):
             try:
-                loaded.append((i, replace(q, image=load_image(q.image))))
+                live[i] = replace(q, image=load_image(q.image))
             except (OSError, ValueError) as e:
                 results[i] = Result(id=q.id, answer="", route="error", error=str(e))
-        self.stats.queries += len(queries)
-        self.stats.errors += len(results)
-        live = dict(loaded)
-
+            else:
+                results[i] = Result(id=q.id, answer="", route="error")
+        with self._stats_lock:
+            self.stats.queries += len(queries)
+            self.stats.errors += len(queries) - len(live)
+        idx = list(live)
         if cfg.mode == "agent":
-            self._phase_agent(live, list(live), results, route="agent_only")
-        elif cfg.mode == "small":
-            self._phase_small(live, list(live), results)
-            for i in live:
-                r = results[i]
-                r.route, r.answer = "small_only", r.small_answer or ""
+            return _Front(results, live, rest=idx, agent=idx)
+        if cfg.mode == "small":
+            self._phase_small(live, idx, results)
+            for i in idx:
+                results[i].route, results[i].answer = "small_only", results[i].small_answer or ""
+            return _Front(results, live, rest=[], agent=[])
+
+        # Phase II runs on every query in "both" mode, and with overlap it runs beside phase I.
+        small_all = cfg.mode == "both" or cfg.overlap
+        if small_all and cfg.overlap and idx:
+            with ThreadPoolExecutor(2) as pool:
+                judged = pool.submit(self._phase_judge, live, results)
+                self._phase_small(live, idx, results)
+                to_small = judged.result()
         else:
             to_small = self._phase_judge(live, results)
-            self._phase_small(live, to_small, results)
-            accepted = [i for i in to_small if gate.accept(results[i].confidence, cfg.tau)]
+            self._phase_small(live, idx if small_all else to_small, results)
+        if cfg.mode == "speceyes" and cfg.overlap:
+            free = set(to_small)
+            for i in idx:  # discard answers the judge did not ask for: same results as sequential
+                if i not in free:
+                    r = results[i]
+                    r.small_answer, r.small_topk, r.confidence = None, None, None
+                    r.timings.pop("small", None)
+                    r.timings.pop("gate", None)
+                    r.trace = [s for s in r.trace if s["type"] != "small"]
+        accepted = [i for i in to_small if gate.accept(results[i].confidence, cfg.tau)]
+        with self._stats_lock:
             self.stats.tool_free += len(to_small)
             self.stats.accepted += len(accepted)
-            for i in accepted:
-                results[i].route, results[i].answer = "small", results[i].small_answer or ""
-            taken = set(accepted)
-            rest = [i for i in live if i not in taken]
-            # In "both" mode every query also runs the agent; routing is unchanged.
-            self._phase_agent(live, list(live) if cfg.mode == "both" else rest, results, None)
-            for i in rest:
-                r = results[i]
-                r.answer = r.agent_answer or ""
-                r.route = "agent_after_judge" if r.judge_tool else "agent_after_gate"
-        return [results[i] for i in range(len(queries))]
-
-    # ---- phases ---------------------------------------------------------------------------
-    def _chunks(self, idx: Sequence[int]) -> Iterator[list[int]]:
-        bs = self.config.batch_size
-        for s in range(0, len(idx), bs):
-            yield list(idx[s : s + bs])
-
-    def _result(self, results: dict[int, Result], i: int, q: Query) -> Result:
-        if i not in results:
-            results[i] = Result(id=q.id, answer="", route="error")
-        return results[i]
+        for i in accepted:
+            results[i].route, results[i].answer = "small", results[i].small_answer or ""
+        taken = set(accepted)
+        rest = [i for i in idx if i not in taken]
+        return _Front(results, live, rest=rest, agent=idx if cfg.mode == "both" else rest)
 
     def _phase_judge(self, live: dict[int, Query], results: dict[int, Result]) -> list[int]:
-        """Phase I: returns the indices judged tool-free."""
+        """Phase I over all live queries; returns the indices judged tool-free."""
         cfg = self.config
+        idx = list(live)
+        if not idx:
+            return []
+        msgs = [prompts.judge_messages(live[i].image, live[i].question, live[i].options) for i in idx]
+        t0 = time.perf_counter()
+        try:
+            p_tools = self.large.judge(msgs, mode=cfg.judge_mode)
+        except BackendError as e:
+            # A failed judgment is treated as "tools needed": correctness first.
+            p_tools = [1.0] * len(idx)
+            for i in idx:
+                results[i].trace.append({"type": "judge_error", "error": str(e)})
+        per = (time.perf_counter() - t0) / len(idx)
         to_small = []
-        for chunk in self._chunks(list(live)):
-            msgs = [
-                prompts.judge_messages(live[i].image, live[i].question, live[i].options)
-                for i in chunk
-            ]
-            t0 = time.perf_counter()
-            try:
-                p_tools = self.large.judge(msgs, mode=cfg.judge_mode)
-            except BackendError as e:
-                # A failed judgment is treated as "tools needed": correctness first.
-                p_tools = [1.0] * len(chunk)
-                for i in chunk:
-                    self._result(results, i, live[i]).trace.append(
-                        {"type": "judge_error", "error": str(e)}
-                    )
-            per = (time.perf_counter() - t0) / len(chunk)
-            for i, p in zip(chunk, p_tools, strict=True):
-                r = self._result(results, i, live[i])
-                r.p_tool = float(p)
-                r.judge_tool = bool(p >= cfg.judge_threshold)
-                r.timings["judge"] = per
-                if not r.judge_tool:
-                    to_small.append(i)
-            self.stats.judged += len(chunk)
+        for i, p in zip(idx, p_tools, strict=True):
+            r = results[i]
+            r.p_tool = float(p)
+            r.judge_tool = bool(p >= cfg.judge_threshold)
+            r.timings["judge"] = per
+            if not r.judge_tool:
+                to_small.append(i)
+        with self._stats_lock:
+            self.stats.judged += len(idx)
         return to_small
 
     def _phase_small(
@@ -209,58 +255,176 @@ class Funnel:
     ) -> None:
         """Phases II and III: speculative answers and their confidence."""
         cfg = self.config
-        for chunk in self._chunks(idx):
-            msgs = [
-                prompts.small_messages(live[i].image, live[i].question, live[i].options)
-                for i in chunk
-            ]
-            t0 = time.perf_counter()
-            try:
-                answers = self.small.answer(msgs, max_new_tokens=cfg.max_new_tokens, top_k=cfg.top_k)
-            except BackendError as e:
-                answers = None
-                err = str(e)
-            per = (time.perf_counter() - t0) / len(chunk)
-            if answers is None:
-                for i in chunk:
-                    r = self._result(results, i, live[i])
-                    r.timings["small"] = per
-                    r.trace.append({"type": "small_error", "error": err})
-                continue
-            t1 = time.perf_counter()
-            conf = gate.batch_confidence(
-                [a.topk for a in answers], top_k=cfg.top_k, agg=cfg.agg, alpha=cfg.alpha
-            )
-            per_gate = (time.perf_counter() - t1) / len(chunk)
-            for i, a, c in zip(chunk, answers, conf, strict=True):
-                r = self._result(results, i, live[i])
-                r.small_answer = a.text
-                r.small_topk = a.topk
-                r.confidence = None if np.isnan(c) else float(c)
-                r.timings["small"] = per
-                r.timings["gate"] = per_gate
-                r.trace.append({"type": "small", "text": a.text, "tokens": len(a.token_ids)})
+        if not idx:
+            return
+        msgs = [prompts.small_messages(live[i].image, live[i].question, live[i].options) for i in idx]
+        t0 = time.perf_counter()
+        try:
+            answers = self.small.answer(msgs, max_new_tokens=cfg.max_new_tokens, top_k=cfg.top_k)
+        except BackendError as e:
+            per = (time.perf_counter() - t0) / len(idx)
+            for i in idx:
+                results[i].timings["small"] = per
+                results[i].trace.append({"type": "small_error", "error": str(e)})
+            return
+        per = (time.perf_counter() - t0) / len(idx)
+        t1 = time.perf_counter()
+        conf = gate.batch_confidence(
+            [a.topk for a in answers], top_k=cfg.top_k, agg=cfg.agg, alpha=cfg.alpha
+        )
+        per_gate = (time.perf_counter() - t1) / len(idx)
+        for i, a, c in zip(idx, answers, conf, strict=True):
+            r = results[i]
+            r.small_answer = a.text
+            r.small_topk = a.topk
+            r.confidence = None if np.isnan(c) else float(c)
+            r.timings["small"] = per
+            r.timings["gate"] = per_gate
+            r.trace.append({"type": "small", "text": a.text, "tokens": len(a.token_ids)})
 
-    def _phase_agent(
-        self,
-        live: dict[int, Query],
-        idx: Sequence[int],
-        results: dict[int, Result],
-        route: str | None,
-    ) -> None:
-        """Phase IV: the agent loop for the given queries, many loops per batch."""
-        for chunk in self._chunks(idx):
+    # ---- phase IV -------------------------------------------------------------------------
+    def _drive_loops(
+        self, take: Callable[[bool], Any], max_active: int | None
+    ) -> Iterator[tuple[Any, AgentOutcome, float]]:
+        """Run agent loops with continuous batching; yields (key, outcome, seconds) as each ends.
+
+        ``take(block)`` returns the next ``(key, query)``, ``_EMPTY`` when none is ready (only
+        when not blocking) or ``_END``. It blocks only when no loop is active, so running loops
+        never wait for new work. ``seconds`` is the loop's share of the batched turns it took
+        part in, so the per-query agent times of a batch add up to the batch's wall time.
+        """
+        agent = self.agent
+        active: list[tuple[Any, AgentLoop]] = []
+        cost: dict[int, float] = {}
+        exhausted = False
+        while True:
+            while not exhausted and (max_active is None or len(active) < max_active):
+                nxt = take(not active)
+                if nxt is _EMPTY:
+                    break
+                if nxt is _END:
+                    exhausted = True
+                    break
+                key, q = nxt
+                try:
+                    loop = agent.start_loop(q)
+                except (OSError, ValueError) as e:
+                    yield key, AgentOutcome(answer="", error=f"{type(e).__name__}: {e}"), 0.0
+                    continue
+                active.append((key, loop))
+                cost[id(loop)] = 0.0
+            if not active:
+                return
             t0 = time.perf_counter()
-            outcomes = self.agent.run([live[i] for i in chunk])
-            per = (time.perf_counter() - t0) / len(chunk)
-            for i, out in zip(chunk, outcomes, strict=True):
-                r = self._result(results, i, live[i])
-                r.agent_answer = out.answer
-                r.tool_calls = out.tool_calls
-                r.invalid_tool_calls = out.invalid_tool_calls
-                r.timings["agent"] = per
-                r.trace.extend(out.trace)
-                if out.error:
-                    r.error = out.error
-                if route is not None:
-                    r.route, r.answer = route, out.answer  # type: ignore[assignment]
+            agent.advance([lp for _, lp in active])
+            share = (time.perf_counter() - t0) / len(active)
+            still = []
+            for key, lp in active:
+                cost[id(lp)] += share
+                if lp.done:
+                    yield key, lp.outcome, cost.pop(id(lp))
+                else:
+                    still.append((key, lp))
+            active = still
+
+    def _finish_agent(self, front: _Front, i: int, out: AgentOutcome, seconds: float) -> None:
+        r = front.results[i]
+        r.agent_answer = out.answer
+        r.tool_calls = out.tool_calls
+        r.invalid_tool_calls = out.invalid_tool_calls
+        r.timings["agent"] = seconds
+        r.trace.extend(out.trace)
+        if out.error:
+            r.error = out.error
+        if i in front.rest:
+            r.answer = out.answer
+            if self.config.mode == "agent":
+                r.route = "agent_only"
+            else:
+                r.route = "agent_after_judge" if r.judge_tool else "agent_after_gate"
+
+    # ---- pipelined schedule ---------------------------------------------------------------
+    def _iter_pipelined(self, queries: Iterable[Query]) -> Iterator[Result]:
+        cfg = self.config
+        done = object()
+        out_q: queue.Queue = queue.Queue()
+        # Bounded hand-off: the front end may run ahead of the agents, but not without limit.
+        agent_q: queue.Queue = queue.Queue(maxsize=2 * cfg.max_agent_loops + cfg.batch_size)
+        stop = threading.Event()
+
+        def front() -> None:
+            try:
+                for chunk in _chunks(queries, cfg.batch_size):
+                    if stop.is_set():
+                        return
+                    f = self._front(chunk)
+                    needs = set(f.agent)
+                    for i in range(len(chunk)):
+                        if i not in needs:
+                            out_q.put(f.results[i])
+                    for i in f.agent:
+                        agent_q.put((f, i))
+            except BaseException as e:  # surfaced to the consumer below
+                out_q.put(e)
+            finally:
+                agent_q.put(done)
+
+        def take(block: bool) -> Any:
+            if stop.is_set():
+                return _END
+            try:
+                item = agent_q.get(block=block)
+            except queue.Empty:
+                return _EMPTY
+            if item is done:
+                return _END
+            f, i = item
+            return (f, i), f.live[i]
+
+        def back() -> None:
+            try:
+                for (f, i), outcome, seconds in self._drive_loops(take, cfg.max_agent_loops):
+                    self._finish_agent(f, i, outcome, seconds)
+                    out_q.put(f.results[i])
+            except BaseException as e:
+                out_q.put(e)
+            finally:
+                out_q.put(done)
+
+        threads = [threading.Thread(target=t, daemon=True) for t in (front, back)]
+        for t in threads:
+            t.start()
+        try:
+            while True:
+                item = out_q.get()
+                if item is done:
+                    break
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            stop.set()
+            # Unblock a front end waiting on a full hand-off queue, wake the back end, and let
+            # both finish the model call they are in.
+            while threads[0].is_alive():
+                try:
+                    agent_q.get_nowait()
+                except queue.Empty:
+                    threads[0].join(0.05)
+            agent_q.put(done)
+            threads[1].join(timeout=600)
+
+
+_EMPTY = object()  # nothing to take right now
+_END = object()  # nothing more will come
+
+
+def _chunks(queries: Iterable[Query], size: int) -> Iterator[list[Query]]:
+    batch: list[Query] = []
+    for q in queries:
+        batch.append(q)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch

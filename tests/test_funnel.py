@@ -119,3 +119,33 @@ def test_config_errors(parts):
         Funnel(*parts, FunnelConfig(agg="max"))
     with pytest.raises(ValueError, match="needs the large"):
         Funnel(parts[0], None, None, FunnelConfig(mode="speceyes"))
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("mode", ["speceyes", "both", "agent"])
+def test_pipelined_schedule_and_overlap_give_the_sequential_results(parts, mode, overlap):
+    small, large, agent = parts
+    qs = queries(5)
+    ref = Funnel(small, large, agent, FunnelConfig(mode=mode, tau=0.5, batch_size=2)).run(qs)
+    cfg = FunnelConfig(mode=mode, tau=0.5, batch_size=2, schedule="pipelined", overlap=overlap,
+                       max_agent_loops=2)
+    f = Funnel(small, large, agent, cfg)
+    got = {r.id: r for r in f.run(qs)}
+    assert set(got) == {r.id for r in ref}
+    for r in ref:
+        g = got[r.id]
+        assert (g.route, g.answer, g.small_answer, g.agent_answer, g.tool_calls) == (
+            r.route, r.answer, r.small_answer, r.agent_answer, r.tool_calls)
+        assert g.confidence == pytest.approx(r.confidence, abs=1e-4) if r.confidence else True
+    assert f.stats.queries == 5
+
+
+def test_agent_loops_join_as_others_finish(q25):
+    """Continuous batching: a finished loop's place goes to the next query at once."""
+    from tests.test_zoom_agent import ScriptedBackend, call, q
+
+    be = ScriptedBackend(q25, [[call([0, 0, 300, 300]), call([0, 0, 300, 300]), "<answer>a</answer>"],
+                               ["<answer>b</answer>"], ["<answer>c</answer>"]])
+    outs = ZoomAgent(be).run([q(0), q(1), q(2)], max_active=2)
+    assert [o.answer for o in outs] == ["a", "b", "c"]
+    assert [len(step) for step in be.seen] == [2, 2, 1]

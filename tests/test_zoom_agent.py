@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from speceyes.agents.zoom import ZoomAgent, ToolCallError, parse_tool_call
+from speceyes.agents.zoom import ToolCallError, ZoomAgent, parse_tool_call
 from speceyes.types import ChatTurn, Query
 from tests.conftest import make_scene
 

@@ -163,36 +163,53 @@ class ZoomAgent:
         out.tool_calls += 1
         loop.messages.append(prompts.deepeyes_tool_response(crop))
 
-    def run(self, queries: Sequence[Query]) -> list[AgentOutcome]:
-        """Run every query's loop to its end; loops advance together one turn per step."""
-        loops: list[_Loop | None] = []
-        outcomes: list[AgentOutcome] = []
-        for q in queries:
-            try:
-                loop = self._start(q)
-                loops.append(loop)
-                outcomes.append(loop.outcome)
-            except (OSError, ValueError) as e:
-                loops.append(None)
-                outcomes.append(AgentOutcome(answer="", error=f"{type(e).__name__}: {e}"))
-        active = [lp for lp in loops if lp is not None]
-        while active:
-            try:
-                turns = self.backend.chat(
-                    [lp.messages for lp in active],
-                    stop=prompts.DEEPEYES_STOP,
-                    max_new_tokens=self.max_new_tokens,
-                )
-            except BackendError as e:
-                for lp in active:
-                    lp.outcome.error, lp.done = str(e), True
-                break
-            for lp, turn in zip(active, turns, strict=True):
-                self._step(lp, turn.text, turn.finish_reason)
-            active = [lp for lp in active if not lp.done]
-        for lp in loops:
-            if lp is not None:
+    # ---- incremental API: the funnel's scheduler adds loops as others finish ----------------
+    def start_loop(self, query: Query) -> _Loop:
+        """Open a loop for ``query``; raises ImageError/ValueError for an unusable image."""
+        return self._start(query)
+
+    def advance(self, loops: Sequence[_Loop]) -> None:
+        """One batched assistant turn for every given unfinished loop."""
+        active = [lp for lp in loops if not lp.done]
+        if not active:
+            return
+        try:
+            turns = self.backend.chat(
+                [lp.messages for lp in active],
+                stop=prompts.DEEPEYES_STOP,
+                max_new_tokens=self.max_new_tokens,
+            )
+        except BackendError as e:
+            for lp in active:
+                lp.outcome.error, lp.done = str(e), True
+            return
+        for lp, turn in zip(active, turns, strict=True):
+            self._step(lp, turn.text, turn.finish_reason)
+        for lp in active:
+            if lp.done:
                 lp.outcome.trace.append(
                     {"type": "end", "seconds": round(time.perf_counter() - lp.started, 6)}
                 )
-        return outcomes
+
+    def run(self, queries: Sequence[Query], max_active: int | None = None) -> list[AgentOutcome]:
+        """Run every query's loop to its end.
+
+        Loops advance together, one batched turn per step; with ``max_active`` at most that many
+        are in flight and a finished loop's place goes to the next query (continuous batching).
+        """
+        outcomes: list[AgentOutcome | None] = [None] * len(queries)
+        pending = list(enumerate(queries))[::-1]
+        active: list[tuple[int, _Loop]] = []
+        while pending or active:
+            while pending and (max_active is None or len(active) < max_active):
+                i, q = pending.pop()
+                try:
+                    active.append((i, self.start_loop(q)))
+                except (OSError, ValueError) as e:
+                    outcomes[i] = AgentOutcome(answer="", error=f"{type(e).__name__}: {e}")
+            self.advance([lp for _, lp in active])
+            for i, lp in active:
+                if lp.done:
+                    outcomes[i] = lp.outcome
+            active = [(i, lp) for i, lp in active if not lp.done]
+        return [o if o is not None else AgentOutcome(answer="", error="not run") for o in outcomes]
