@@ -1,0 +1,181 @@
+"""vLLM offline engine backend (``pip install speceyes[vllm]``; CUDA only).
+
+One ``LLM`` engine runs each model in this process. Every batch of conversations goes to
+``LLM.chat`` at once, so vLLM schedules them together with paged attention and continuous
+batching. Images are resized here with the model's smart_resize (the exact scale is needed to
+map zoom boxes back) and the engine is given the same pixel limits, so its own resize is a
+no-op. ``limit_mm_per_prompt`` covers the original image plus one crop per tool call.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from speceyes.backends.base import (
+    NO_VARIANTS,
+    YES_VARIANTS,
+    BackendError,
+    JudgeMode,
+    Messages,
+    cut_at_stop,
+    decode_rule_p_tool,
+)
+from speceyes.images import View, load_image, resize_for_model, smart_resize
+from speceyes.types import ChatTurn, SpecAnswer
+
+_FAMILIES = {"qwen2_5_vl": ("absolute", 28), "qwen3_vl": ("relative1000", 32)}
+
+
+class VLLMBackend:
+    """A Qwen-VL checkpoint served by an in-process vLLM engine."""
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        family: str | None = None,
+        max_logprobs: int = 64,
+        max_images: int = 6,
+        min_pixels: int | None = None,
+        max_pixels: int | None = None,
+        name: str | None = None,
+        **engine_kwargs: Any,
+    ) -> None:
+        try:
+            from vllm import LLM
+        except ImportError as e:  # pragma: no cover - depends on the machine
+            raise BackendError(
+                "vLLM is not installed (pip install 'speceyes[vllm]'; it needs CUDA)"
+            ) from e
+        if family is None:
+            from transformers import AutoConfig
+
+            family = AutoConfig.from_pretrained(model).model_type
+        if family not in _FAMILIES:
+            raise ValueError(f"unsupported model family {family!r}; use one of {list(_FAMILIES)}")
+        self.name = name or model.rstrip("/").rsplit("/", 1)[-1]
+        self.family = family
+        self.box_coords, self.factor = _FAMILIES[family]
+        self.min_pixels = min_pixels or 4 * self.factor**2
+        self.max_pixels = max_pixels or 16384 * self.factor**2
+        self.max_logprobs = max_logprobs
+        self.llm = LLM(
+            model=model,
+            max_logprobs=max_logprobs,
+            limit_mm_per_prompt={"image": max_images},
+            mm_processor_kwargs={"min_pixels": self.min_pixels, "max_pixels": self.max_pixels},
+            **engine_kwargs,
+        )
+        tok = self.llm.get_tokenizer()
+        self.tokenizer = tok
+        self.yes_ids = _first_ids(tok, YES_VARIANTS)
+        self.no_ids = _first_ids(tok, NO_VARIANTS) - self.yes_ids
+        self.yes_ids -= self.no_ids
+
+    def view_of(self, image: Any) -> View:
+        img = load_image(image)
+        h, w = smart_resize(img.height, img.width, self.factor, self.min_pixels, self.max_pixels)
+        return View(orig_w=img.width, orig_h=img.height, view_w=w, view_h=h)
+
+    def _convert(self, messages: Messages) -> list[dict]:
+        out = []
+        for m in messages:
+            content = m["content"]
+            if isinstance(content, list):
+                parts = []
+                for p in content:
+                    if p.get("type") in ("image", "image_url"):
+                        src = p.get("image") or (p.get("image_url") or {}).get("url")
+                        img, _ = resize_for_model(
+                            load_image(src), self.factor, self.min_pixels, self.max_pixels
+                        )
+                        parts.append({"type": "image_pil", "image_pil": img})
+                    else:
+                        parts.append(p)
+                content = parts
+            out.append({"role": m["role"], "content": content})
+        return out
+
+    def _chat(self, batch: Sequence[Messages], params) -> list:
+        try:
+            return self.llm.chat([self._convert(m) for m in batch], params, use_tqdm=False)
+        except Exception as e:  # pragma: no cover - GPU only
+            raise BackendError(f"{self.name}: vLLM generation failed: {e}") from e
+
+    def judge(self, batch: Sequence[Messages], mode: JudgeMode = "logit") -> list[float]:
+        from vllm import SamplingParams
+
+        if not batch:
+            return []
+        if mode == "decode":
+            outs = self._chat(batch, SamplingParams(temperature=0.0, max_tokens=10))
+            return [decode_rule_p_tool(o.outputs[0].text) for o in outs]
+        k = min(20, self.max_logprobs)
+        outs = self._chat(batch, SamplingParams(temperature=0.0, max_tokens=1, logprobs=k))
+        result = []
+        for o in outs:
+            step = o.outputs[0].logprobs[0] if o.outputs[0].logprobs else {}
+            yes = sum(math.exp(lp.logprob) for t, lp in step.items() if t in self.yes_ids)
+            no = sum(math.exp(lp.logprob) for t, lp in step.items() if t in self.no_ids)
+            result.append(yes / (yes + no) if yes + no > 0 else 0.5)
+        return result
+
+    def answer(
+        self, batch: Sequence[Messages], max_new_tokens: int = 20, top_k: int = 64
+    ) -> list[SpecAnswer]:
+        from vllm import SamplingParams
+
+        if top_k > self.max_logprobs:
+            raise ValueError(
+                f"top_k={top_k} exceeds the engine's max_logprobs={self.max_logprobs}"
+            )
+        if not batch:
+            return []
+        params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, logprobs=top_k)
+        answers = []
+        eos = {self.tokenizer.eos_token_id, *getattr(self.tokenizer, "all_special_ids", [])}
+        for o in self._chat(batch, params):
+            c = o.outputs[0]
+            ids = list(c.token_ids)
+            n = next((j for j, t in enumerate(ids) if t in eos), len(ids))
+            rows = np.full((n, top_k), -np.inf)
+            for j in range(n):
+                vals = sorted((lp.logprob for lp in c.logprobs[j].values()), reverse=True)[:top_k]
+                rows[j, : len(vals)] = vals
+            text = self.tokenizer.decode(ids[:n], skip_special_tokens=True).strip()
+            answers.append(SpecAnswer(text=text, topk=rows, token_ids=ids[:n]))
+        return answers
+
+    def chat(
+        self, batch: Sequence[Messages], stop: Sequence[str] = (), max_new_tokens: int = 1024
+    ) -> list[ChatTurn]:
+        from vllm import SamplingParams
+
+        if not batch:
+            return []
+        params = SamplingParams(
+            temperature=0.0,
+            max_tokens=max_new_tokens,
+            stop=list(stop) or None,
+            include_stop_str_in_output=True,
+        )
+        turns = []
+        for o in self._chat(batch, params):
+            c = o.outputs[0]
+            text, which = cut_at_stop(c.text, stop)
+            finish = "length" if c.finish_reason == "length" else "stop"
+            turns.append(ChatTurn(text=text, finish_reason=finish, stop=which, tokens=len(c.token_ids)))
+        return turns
+
+
+def _first_ids(tokenizer, words: Sequence[str]) -> set[int]:
+    out = set()
+    for w in words:
+        ids = tokenizer.encode(w, add_special_tokens=False)
+        if ids and tokenizer.decode(ids[:1]).strip():
+            out.add(ids[0])
+    return out
