@@ -1,4 +1,4 @@
-"""Command line: speceyes ask | demo | eval | report | regate | calibrate."""
+"""Command line: speceyes ask | demo | eval | report | regate | calibrate | serve."""
 
 from __future__ import annotations
 
@@ -33,8 +33,9 @@ def add_funnel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--mode",
         default="speceyes",
-        choices=["speceyes", "agent", "small", "both"],
-        help="speceyes (default), agent only, small only, or both (log everything)",
+        choices=["speceyes", "agent", "small", "both", "specreason"],
+        help="speceyes (default), agent only, small only, both (log everything), or the "
+        "SpecReason baseline (small model proposes each agent step, large model scores it)",
     )
     g.add_argument("--tau", type=float, default=None, help="gate threshold (default 0.98)")
     g.add_argument("--top-k", type=int, default=gate.DEFAULT_TOP_K, help="K for separability")
@@ -99,10 +100,13 @@ def build_funnel(args: argparse.Namespace):
     if config.mode != "small":
         large = small if args.large == args.small and small is not None else HFBackend(args.large, **kw)
     agent = None
-    if large is not None:
-        agent = ZoomAgent(
-            large, max_tool_calls=args.max_tool_calls, max_new_tokens=args.agent_max_tokens
-        )
+    loop_kw = {"max_tool_calls": args.max_tool_calls, "max_new_tokens": args.agent_max_tokens}
+    if config.mode == "specreason":
+        from speceyes.agents.specreason import SpecReasonAgent
+
+        agent = SpecReasonAgent(small, large, **loop_kw)
+    elif large is not None:
+        agent = ZoomAgent(large, **loop_kw)
     return Funnel(small, large, agent, config)
 
 
@@ -268,6 +272,48 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from speceyes.serve import serve
+
+    # Fail on bad server settings before minutes of model loading.
+    if args.max_queue < 1 or args.max_wait_ms < 0 or args.request_timeout <= 0:
+        raise ValueError("need --max-queue >= 1, --max-wait-ms >= 0 and --request-timeout > 0")
+    funnel = build_funnel(args)
+    return serve(
+        funnel,
+        host=args.host,
+        port=args.port,
+        batch_size=args.batch_size,
+        max_wait_ms=args.max_wait_ms,
+        max_queue=args.max_queue,
+        model_name=args.model_name,
+        request_timeout=args.request_timeout,
+        allow_local_files=args.allow_local_files,
+        max_body_mb=args.max_body_mb,
+    )
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from speceyes import simulate as sm
+
+    costs = sm.CostModel.from_json(args.costs) if args.costs else sm.CostModel()
+    if args.shared_gpu:
+        costs.shared_gpu = True
+    cs = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    schedules = [s.strip() for s in args.schedules.split(",") if s.strip()]
+    rows = sm.simulate(
+        costs, schedules, cs, args.queries, args.beta, args.alpha, args.seed, args.published_batch
+    )
+    print(sm.format_table(rows))
+    paths = sm.write_outputs(
+        rows, Path(args.output), costs, args.beta, args.alpha, args.queries, args.seed
+    )
+    print(f"wrote {', '.join(str(p) for p in paths)}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="speceyes",
@@ -348,6 +394,46 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--cache", default=None, help="where the tiny models are built")
     demo.add_argument("--n", type=int, default=6, help="number of demo questions")
     demo.set_defaults(func=cmd_demo)
+
+    srv = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server that answers through the funnel",
+        description="POST /v1/chat/completions (one image part as a data URI, a text part, "
+        'optional "options": [...]), GET /health, /v1/models, /metrics. Concurrent requests '
+        "are micro-batched (up to --batch-size, or what arrives within --max-wait-ms).",
+    )
+    srv.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    srv.add_argument("--port", type=int, default=8000, help="port (0: any free port)")
+    srv.add_argument("--max-queue", type=int, default=256, help="queued requests before 429")
+    srv.add_argument("--max-wait-ms", type=float, default=10.0, help="micro-batch wait")
+    srv.add_argument("--request-timeout", type=float, default=300.0, help="seconds before 504")
+    srv.add_argument("--model-name", default="speceyes", help="model id in /v1/models")
+    srv.add_argument("--max-body-mb", type=float, default=32.0, help="largest request body")
+    srv.add_argument(
+        "--allow-local-files", action="store_true", help="accept file:// image URLs"
+    )
+    add_model_args(srv)
+    add_funnel_args(srv)
+    srv.set_defaults(func=cmd_serve)
+
+    sim = sub.add_parser(
+        "simulate",
+        help="discrete-event model of serving the funnel: compare schedules at scale, no GPU",
+        description="Closed-loop clients over continuous-batching engines; schedules agent-only, "
+        "published (batched phases I-II, phase IV one query at a time) and speceyes (ours). "
+        "Writes simulate.md, simulate.csv and simulate.png into --output.",
+    )
+    sim.add_argument("--queries", type=int, default=10_000, help="queries per run")
+    sim.add_argument("--concurrency", default="1,2,4,8,16,32,64,128,256", help="client counts")
+    sim.add_argument("--beta", type=float, default=0.8, help="share judged tool-free")
+    sim.add_argument("--alpha", type=float, default=0.71, help="gate acceptance among them")
+    sim.add_argument("--costs", default=None, help="JSON of CostModel fields / measured seconds")
+    sim.add_argument("--schedules", default="agent-only,published,speceyes")
+    sim.add_argument("--published-batch", type=int, default=None, help="default: the concurrency")
+    sim.add_argument("--shared-gpu", action="store_true", help="both models on one GPU")
+    sim.add_argument("--output", default="runs/simulate", help="output folder")
+    sim.add_argument("--seed", type=int, default=0)
+    sim.set_defaults(func=cmd_simulate)
     return p
 
 

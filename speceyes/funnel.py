@@ -40,8 +40,9 @@ from speceyes.backends.base import Backend, BackendError, JudgeMode
 from speceyes.images import load_image
 from speceyes.types import Query, Result
 
-Mode = Literal["speceyes", "agent", "small", "both"]
-MODES: tuple[str, ...] = ("speceyes", "agent", "small", "both")
+Mode = Literal["speceyes", "agent", "small", "both", "specreason"]
+MODES: tuple[str, ...] = ("speceyes", "agent", "small", "both", "specreason")
+AGENT_ONLY_MODES = ("agent", "specreason")  # every query runs the (given) agent
 SCHEDULES: tuple[str, ...] = ("batched", "pipelined")
 
 
@@ -133,7 +134,7 @@ class Funnel:
         self.config = config or FunnelConfig()
         self.config.validate()
         mode = self.config.mode
-        if mode in ("speceyes", "both", "agent") and (large is None or agent is None):
+        if mode in ("speceyes", "both", *AGENT_ONLY_MODES) and (large is None or agent is None):
             raise ValueError(f"mode {mode!r} needs the large model and its agent")
         if mode in ("speceyes", "both", "small") and small is None:
             raise ValueError(f"mode {mode!r} needs the small model")
@@ -185,7 +186,7 @@ class Funnel:
             self.stats.queries += len(queries)
             self.stats.errors += len(queries) - len(live)
         idx = list(live)
-        if cfg.mode == "agent":
+        if cfg.mode in AGENT_ONLY_MODES:
             return _Front(results, live, rest=idx, agent=idx)
         if cfg.mode == "small":
             self._phase_small(live, idx, results)
@@ -338,8 +339,8 @@ class Funnel:
             r.error = out.error
         if i in front.rest:
             r.answer = out.answer
-            if self.config.mode == "agent":
-                r.route = "agent_only"
+            if self.config.mode in AGENT_ONLY_MODES:
+                r.route = "specreason" if self.config.mode == "specreason" else "agent_only"
             else:
                 r.route = "agent_after_judge" if r.judge_tool else "agent_after_gate"
 

@@ -132,3 +132,10 @@ def deepeyes_tool_response(crop) -> dict:
             text_part("</tool_response>"),
         ],
     }
+
+
+# --- SpecReason baseline: the large model scores a proposed step in one token ------------------
+STEP_SCORE_PROMPT = (
+    "Evaluate the assistant's last step above: is it correct and useful for answering the "
+    "question? Rate it from 0 (wrong or useless) to 9 (correct and useful). Output only the digit."
+)

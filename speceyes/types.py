@@ -8,7 +8,9 @@ from typing import Any, Literal
 
 import numpy as np
 
-Route = Literal["small", "agent_after_judge", "agent_after_gate", "agent_only", "small_only", "error"]
+Route = Literal[
+    "small", "agent_after_judge", "agent_after_gate", "agent_only", "small_only", "specreason", "error"
+]
 
 
 @dataclass

@@ -187,9 +187,10 @@ class ZoomAgent:
             self._step(lp, turn.text, turn.finish_reason)
         for lp in active:
             if lp.done:
-                lp.outcome.trace.append(
-                    {"type": "end", "seconds": round(time.perf_counter() - lp.started, 6)}
-                )
+                self._end(lp)
+
+    def _end(self, lp: _Loop) -> None:
+        lp.outcome.trace.append({"type": "end", "seconds": round(time.perf_counter() - lp.started, 6)})
 
     def run(self, queries: Sequence[Query], max_active: int | None = None) -> list[AgentOutcome]:
         """Run every query's loop to its end.

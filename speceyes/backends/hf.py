@@ -264,6 +264,17 @@ class HFBackend:
         p_no = probs[:, self.no_ids].sum(-1)
         return (p_yes / (p_yes + p_no).clamp_min(1e-30)).tolist()
 
+    def next_token_probs(self, batch: Sequence[Messages], words: Sequence[str]) -> np.ndarray:
+        """P(first token of each word) at the next position: [conversations, words], one step."""
+        if not batch:
+            return np.zeros((0, len(words)))
+        ids = [self.tokenizer.encode(w, add_special_tokens=False)[0] for w in words]
+        torch = self._torch
+        inputs = self._prepare(batch)
+        with self._lock, torch.inference_mode():
+            logits = self.model(**inputs).logits[:, -1, :].float()
+        return torch.softmax(logits, dim=-1)[:, ids].cpu().numpy()
+
     def answer(
         self, batch: Sequence[Messages], max_new_tokens: int = 20, top_k: int = 64
     ) -> list[SpecAnswer]:
