@@ -177,7 +177,7 @@ class Funnel:
         live: dict[int, Query] = {}
         for i, q in enumerate(queries):
             try:
-                live[i] = replace(q, image=load_image(q.image))
+                live[i] = replace(q, image=load_image(q.image, copy=False))
             except (OSError, ValueError) as e:
                 results[i] = Result(id=q.id, answer="", route="error", error=str(e))
             else:

@@ -101,6 +101,9 @@ def _decode_data_uri(uri: str) -> bytes:
     return urllib.parse.unquote_to_bytes(payload)
 
 
+_EXIF_ORIENTATION = 0x0112
+
+
 def _to_rgb(img: Image.Image) -> Image.Image:
     """Upright RGB copy; transparency is composited on white like qwen-vl-utils/transformers."""
     img = ImageOps.exif_transpose(img)  # a copy, rotated when EXIF says so
@@ -160,14 +163,27 @@ def _open(fp: str | os.PathLike[str] | io.BytesIO, name: str) -> Image.Image:
             raise ImageError(f"{name}: cannot open image ({e})") from e
 
 
-def load_image(src: str | os.PathLike[str] | bytes | bytearray | Image.Image) -> Image.Image:
+def load_image(
+    src: str | os.PathLike[str] | bytes | bytearray | Image.Image, *, copy: bool = True
+) -> Image.Image:
     """Load `src` (path, raw bytes, `data:image/...;base64,...` URI, PIL image) as loaded RGB.
 
-    EXIF orientation is applied and the result is always a new image, safe to mutate.
+    EXIF orientation is applied and the result is a new image, safe to mutate. With
+    ``copy=False`` an already upright, loaded RGB PIL image is returned as it is: the hot path
+    passes the same image through every phase and never mutates it.
     Raises ImageError with the source named in the message.
     """
     name = _describe(src)
     if isinstance(src, Image.Image):
+        if (
+            not copy
+            and src.mode == "RGB"
+            and src.width > 0
+            and src.height > 0
+            and getattr(src, "im", None) is not None  # pixel data already decoded
+            and src.getexif().get(_EXIF_ORIENTATION, 1) == 1
+        ):
+            return src
         return _finish(src, name)
     if isinstance(src, (bytes, bytearray, memoryview)):
         if len(src) == 0:

@@ -107,7 +107,7 @@ class ZoomAgent:
         self.min_box = min_box
 
     def _start(self, query: Query) -> _Loop:
-        image = load_image(query.image)
+        image = load_image(query.image, copy=False)
         return _Loop(
             query=query,
             image=image,

@@ -133,7 +133,7 @@ class HFBackend:
 
     # ---- geometry -------------------------------------------------------------------------
     def view_of(self, image: Any) -> View:
-        img = load_image(image)
+        img = load_image(image, copy=False)
         h, w = smart_resize(img.height, img.width, self.factor, self.min_pixels, self.max_pixels)
         return View(orig_w=img.width, orig_h=img.height, view_w=w, view_h=h)
 
@@ -177,7 +177,7 @@ class HFBackend:
                             if src is None and isinstance(p.get("image_url"), dict):
                                 src = p["image_url"].get("url")
                             img, _ = resize_for_model(
-                                load_image(src), self.factor, self.min_pixels, self.max_pixels
+                                load_image(src, copy=False), self.factor, self.min_pixels, self.max_pixels
                             )
                             images.append(img)
                             parts.append({"type": "image"})
