@@ -266,6 +266,12 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_miniworld(args: argparse.Namespace) -> int:
+    from speceyes.miniworld.scenes import main as scenes_main
+
+    return scenes_main(args.rest)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from speceyes.demo import run_demo
 
@@ -387,6 +393,14 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--agg", default=None, choices=list(gate.AGGREGATIONS))
     cal.add_argument("--output", default=None, help="default RUN/calibration.json")
     cal.set_defaults(func=cmd_calibrate)
+
+    mw = sub.add_parser(
+        "miniworld",
+        help="generate mini-world scenes and questions (see docs/miniworld.md)",
+        add_help=False,
+    )
+    mw.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of the scene generator")
+    mw.set_defaults(func=cmd_miniworld)
 
     demo = sub.add_parser(
         "demo", help="offline end-to-end run on tiny locally built models (no download)"
