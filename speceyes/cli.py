@@ -459,6 +459,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     from speceyes.images import ImageError
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["miniworld"]:  # its own parser, --help included
+        from speceyes.miniworld.scenes import main as scenes_main
+
+        return int(scenes_main(argv[1:]) or 0)
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
