@@ -21,11 +21,37 @@ ROUTE_TEXT = {
 
 def add_model_args(p: argparse.ArgumentParser, *, required: bool = True) -> None:
     g = p.add_argument_group("models")
-    g.add_argument("--small", required=required, help="small tool-free VLM: folder or hub id")
-    g.add_argument("--large", required=required, help="agentic VLM (DeepEyes): folder or hub id")
+    g.add_argument(
+        "--small",
+        required=required,
+        help="small tool-free VLM: folder, hub id, or OpenAI-compatible URL(s) "
+        "(http://host:8000/v1, comma-separated for replicas)",
+    )
+    g.add_argument(
+        "--large", required=required, help="agentic VLM (DeepEyes): folder, hub id, or URL(s)"
+    )
+    g.add_argument(
+        "--engine",
+        default="hf",
+        choices=["hf", "vllm"],
+        help="runtime for folders/hub ids: transformers in-process (default) or vLLM offline",
+    )
     g.add_argument("--dtype", default="auto", help="torch dtype for both models (default: auto)")
     g.add_argument("--device-map", default=None, help='e.g. "auto" or "cuda:0" (default: CPU)')
     g.add_argument("--attn", default=None, help="attention implementation, e.g. sdpa")
+    g.add_argument("--tensor-parallel-size", type=int, default=1, help="vLLM engine only")
+    g.add_argument(
+        "--small-family", default="qwen3_vl", help="model family behind a --small URL"
+    )
+    g.add_argument(
+        "--large-family", default="qwen2_5_vl", help="model family behind a --large URL"
+    )
+    g.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=20,
+        help="top_logprobs cap of the servers behind URLs (vLLM: --max-logprobs)",
+    )
 
 
 def add_funnel_args(p: argparse.ArgumentParser) -> None:
@@ -88,17 +114,39 @@ def funnel_config(args: argparse.Namespace):
     )
 
 
+def make_backend(spec: str, family: str, args: argparse.Namespace):
+    """A backend for a model given as a folder, a hub id, or OpenAI-compatible server URL(s)."""
+    if spec.startswith(("http://", "https://")):
+        from speceyes.backends.openai import OpenAIBackend
+
+        return OpenAIBackend(
+            [u.strip() for u in spec.split(",") if u.strip()],
+            family=family,
+            max_logprobs=args.max_logprobs,
+        )
+    if args.engine == "vllm":
+        from speceyes.backends.vllm import VLLMBackend
+
+        return VLLMBackend(
+            spec, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size
+        )
+    from speceyes.backends.hf import HFBackend
+
+    return HFBackend(
+        spec, dtype=args.dtype, device_map=args.device_map, attn_implementation=args.attn
+    )
+
+
 def build_funnel(args: argparse.Namespace):
     from speceyes.agents.zoom import ZoomAgent
-    from speceyes.backends.hf import HFBackend
     from speceyes.funnel import Funnel
 
     config = funnel_config(args)
-    kw = {"dtype": args.dtype, "device_map": args.device_map, "attn_implementation": args.attn}
-    small = HFBackend(args.small, **kw) if config.mode != "agent" else None
+    small = make_backend(args.small, args.small_family, args) if config.mode != "agent" else None
     large = None
     if config.mode != "small":
-        large = small if args.large == args.small and small is not None else HFBackend(args.large, **kw)
+        same = args.large == args.small and small is not None
+        large = small if same else make_backend(args.large, args.large_family, args)
     agent = None
     loop_kw = {"max_tool_calls": args.max_tool_calls, "max_new_tokens": args.agent_max_tokens}
     if config.mode == "specreason":
