@@ -11,13 +11,20 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $@
 
+# Test-only extras: llama.cpp's OpenAI-compatible server (compiled from source, ~6 min once)
+# and its GGUF converter, fetched here so that no test downloads anything.
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(PY) -m pip install -q -e ".[dev,serve,llama]"
+	$(PY) -m speceyes.tiny_gguf --fetch-converter-only
+	touch $@
+
 .PHONY: setup demo test lint
 setup: $(VENV)/.installed
 
 demo: $(VENV)/.installed
 	$(VENV)/bin/speceyes demo
 
-test: $(VENV)/.installed
+test: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check speceyes tests benchmarks
 	$(PY) -m pytest -q
 

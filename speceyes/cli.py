@@ -147,6 +147,13 @@ def build_funnel(args: argparse.Namespace):
     if config.mode != "small":
         same = args.large == args.small and small is not None
         large = small if same else make_backend(args.large, args.large_family, args)
+    cap = getattr(small, "max_logprobs", None)
+    if cap is not None and config.top_k > cap:
+        raise ValueError(
+            f"--top-k {config.top_k} exceeds the {cap} logprobs the small model's server returns; "
+            f"pass --top-k {cap}, or start the server with a higher cap (vLLM: --max-logprobs "
+            f"{config.top_k}) and pass --max-logprobs {config.top_k}"
+        )
     agent = None
     loop_kw = {"max_tool_calls": args.max_tool_calls, "max_new_tokens": args.agent_max_tokens}
     if config.mode == "specreason":

@@ -281,7 +281,7 @@ class Funnel:
             r.confidence = None if np.isnan(c) else float(c)
             r.timings["small"] = per
             r.timings["gate"] = per_gate
-            r.trace.append({"type": "small", "text": a.text, "tokens": len(a.token_ids)})
+            r.trace.append({"type": "small", "text": a.text, "tokens": len(a.topk)})
 
     # ---- phase IV -------------------------------------------------------------------------
     def _drive_loops(

