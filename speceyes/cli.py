@@ -63,7 +63,16 @@ def add_funnel_args(p: argparse.ArgumentParser) -> None:
         help="speceyes (default), agent only, small only, both (log everything), or the "
         "SpecReason baseline (small model proposes each agent step, large model scores it)",
     )
-    g.add_argument("--tau", type=float, default=None, help="gate threshold (default 0.98)")
+    g.add_argument(
+        "--agent",
+        default="deepeyes",
+        choices=["deepeyes", "thyme"],
+        help="agent loop of the large model: deepeyes (zoom tool calls, default) or thyme "
+        "(Python code run in a process sandbox)",
+    )
+    g.add_argument(
+        "--tau", type=float, default=None, help="gate threshold (default 0.98; thyme: 0.95)"
+    )
     g.add_argument("--top-k", type=int, default=gate.DEFAULT_TOP_K, help="K for separability")
     g.add_argument("--agg", default="min", choices=list(gate.AGGREGATIONS), help="aggregation")
     g.add_argument(
@@ -103,7 +112,7 @@ def funnel_config(args: argparse.Namespace):
         top_k, agg = cal.top_k, cal.agg
     return FunnelConfig(
         mode=args.mode,
-        tau=gate.DEFAULT_TAU["deepeyes"] if tau is None else tau,
+        tau=gate.DEFAULT_TAU[getattr(args, "agent", "deepeyes")] if tau is None else tau,
         top_k=top_k,
         agg=agg,
         judge_mode=args.judge_mode,
@@ -159,9 +168,16 @@ def build_funnel(args: argparse.Namespace):
     if config.mode == "specreason":
         from speceyes.agents.specreason import SpecReasonAgent
 
+        if getattr(args, "agent", "deepeyes") != "deepeyes":
+            raise ValueError("--mode specreason runs the DeepEyes loop; use --agent deepeyes")
         agent = SpecReasonAgent(small, large, **loop_kw)
     elif large is not None:
-        agent = ZoomAgent(large, **loop_kw)
+        if getattr(args, "agent", "deepeyes") == "thyme":
+            from speceyes.agents.code import CodeAgent
+
+            agent = CodeAgent(large, **loop_kw)
+        else:
+            agent = ZoomAgent(large, **loop_kw)
     return Funnel(small, large, agent, config)
 
 

@@ -1,0 +1,232 @@
+"""Load test of ``speceyes serve`` on loopback: N requests at concurrency C, nothing may be lost.
+
+Builds the tiny Qwen3-VL (small) and Qwen2.5-VL (large) checkpoints in a temp dir, serves them
+in-process on 127.0.0.1 (a free port), and sends N chat completions with the async openai client
+at concurrency C. Every request cycles through a few distinct scenes; each scene's answer is
+first computed straight through ``Funnel.run_batch``, so a response that belongs to another
+request is caught ("mismatched"). 429s are counted and retried with exponential backoff; lost
+(no answer), failed (any other error) and malformed (not a chat.completion with the speceyes
+field) responses must be zero. Prints p50/p95/p99 latency (client side, retries included),
+throughput and the batch sizes the server formed.
+
+Default: speceyes mode, tau 0.5 (the tiny small model's confidences sit around 0.8, so the gate
+accepts nearly all and the run finishes in minutes on 2 CPU cores; use --tau 0.98 to send
+everything through the agent).
+
+    python benchmarks/bench_serve_load.py [--n 1000] [--concurrency 64] [--mode speceyes]
+        [--tau 0.5] [--batch-size 32] [--max-wait-ms 10] [--max-queue 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import resource
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import numpy as np  # noqa: E402
+from PIL import Image, ImageDraw  # noqa: E402
+
+ROUTES = {"small", "agent_after_judge", "agent_after_gate", "agent_only", "small_only"}
+
+
+def scene(i: int) -> Image.Image:
+    img = Image.new("RGB", (96 + 8 * (i % 5), 72), (240, 240, 235))
+    color = [(220, 30, 30), (30, 160, 60), (40, 70, 220)][i % 3]
+    ImageDraw.Draw(img).rectangle((4 + 3 * i, 6, 40 + 3 * i, 50), fill=color)
+    return img
+
+
+def build(args: argparse.Namespace, root: Path):
+    from speceyes.agents.zoom import ZoomAgent
+    from speceyes.backends.hf import HFBackend
+    from speceyes.funnel import Funnel, FunnelConfig
+    from speceyes.tiny import build_tiny_model
+
+    small = HFBackend(build_tiny_model(root / "small", "qwen3_vl", seed=1, lm_head_scale=8.0))
+    large = HFBackend(build_tiny_model(root / "large", "qwen2_5_vl", seed=2, lm_head_scale=20.0))
+    agent = ZoomAgent(large, max_new_tokens=args.agent_max_tokens)
+
+    def funnel():
+        cfg = FunnelConfig(mode=args.mode, tau=args.tau, batch_size=args.batch_size)
+        return Funnel(small, large, agent, cfg)
+
+    return funnel
+
+
+async def load(args: argparse.Namespace, url: str, reqs: list[dict], truth: list[str]) -> dict:
+    import openai
+
+    client = openai.AsyncOpenAI(
+        base_url=url + "/v1", api_key="none", max_retries=0, timeout=args.client_timeout
+    )
+    sem = asyncio.Semaphore(args.concurrency)
+    lat: list[float] = []
+    out: Counter[str] = Counter()
+    routes: Counter[str] = Counter()
+    errors: Counter[str] = Counter()
+    rng = random.Random(0)
+
+    def well_formed(r: Any) -> bool:
+        extra = (r.model_extra or {}).get("speceyes")
+        return (
+            r.object == "chat.completion"
+            and len(r.choices) == 1
+            and isinstance(r.choices[0].message.content, str)
+            and r.choices[0].finish_reason == "stop"
+            and isinstance(extra, dict)
+            and extra.get("route") in ROUTES
+            and isinstance(extra.get("timings"), dict)
+        )
+
+    async def one(i: int) -> None:
+        k = i % len(reqs)
+        async with sem:
+            t0 = time.perf_counter()
+            for attempt in range(args.max_attempts):
+                try:
+                    r = await client.chat.completions.create(model="speceyes", **reqs[k])
+                except openai.RateLimitError:
+                    out["429"] += 1
+                    # Exponential backoff with jitter: retries must not arrive in lockstep.
+                    await asyncio.sleep(min(2.0, 0.05 * 2**attempt) * (0.5 + rng.random()))
+                    continue
+                except Exception as e:  # any other status or transport error is a failure
+                    out["failed"] += 1
+                    errors[type(e).__name__] += 1
+                    return
+                if not well_formed(r):
+                    out["malformed"] += 1
+                elif r.choices[0].message.content != truth[k]:
+                    out["mismatched"] += 1
+                else:
+                    out["ok"] += 1
+                    lat.append(time.perf_counter() - t0)
+                    routes[r.model_extra["speceyes"]["route"]] += 1
+                return
+            out["gave_up_after_429"] += 1
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*[one(i) for i in range(args.n)])
+    wall = time.perf_counter() - t0
+    await client.close()
+    answered = sum(out[k] for k in ("ok", "failed", "malformed", "mismatched"))
+    out["lost"] = args.n - answered - out["gave_up_after_429"]
+    return {"wall": wall, "lat": lat, "out": out, "routes": routes, "errors": errors}
+
+
+def metric_sum(text: str, name: str) -> float:
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=1000, help="requests")
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--mode", default="speceyes", choices=["speceyes", "agent", "small", "both"])
+    ap.add_argument("--tau", type=float, default=0.5)
+    ap.add_argument("--batch-size", type=int, default=32, help="funnel and micro-batch size")
+    ap.add_argument("--max-wait-ms", type=float, default=10.0)
+    ap.add_argument("--max-queue", type=int, default=256)
+    ap.add_argument("--agent-max-tokens", type=int, default=16)
+    ap.add_argument("--scenes", type=int, default=16, help="distinct (image, question) pairs")
+    ap.add_argument("--max-attempts", type=int, default=50, help="tries per request on 429")
+    ap.add_argument("--client-timeout", type=float, default=600.0)
+    args = ap.parse_args()
+
+    import torch
+
+    from speceyes.images import to_data_uri
+    from speceyes.serve import ServerThread, create_app
+    from speceyes.types import Query
+
+    print(
+        f"config: n={args.n} concurrency={args.concurrency} mode={args.mode} tau={args.tau} "
+        f"batch_size={args.batch_size} max_wait_ms={args.max_wait_ms} max_queue={args.max_queue} "
+        f"agent_max_tokens={args.agent_max_tokens} scenes={args.scenes} "
+        f"cpus={os.cpu_count()} torch_threads={torch.get_num_threads()}"
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        make_funnel = build(args, Path(tmp))
+        print(f"built and loaded the tiny models in {time.perf_counter() - t0:.1f} s")
+        reqs, queries = [], []
+        for k in range(args.scenes):
+            uri = to_data_uri(scene(k))
+            text = f"What color is the box number {k}?"
+            opts = ["red", "green", "blue"] if k % 2 else None
+            msgs = [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": uri}},
+                        {"type": "text", "text": text},
+                    ],
+                }
+            ]
+            reqs.append({"messages": msgs, **({"extra_body": {"options": opts}} if opts else {})})
+            queries.append(Query(id=str(k), image=uri, question=text, options=opts))
+        t0 = time.perf_counter()
+        truth = [r.answer for r in make_funnel().run_batch(queries)]
+        dt = time.perf_counter() - t0
+        print(f"ground truth for {args.scenes} scenes via Funnel.run_batch: {dt:.1f} s")
+
+        app = create_app(
+            make_funnel(),
+            batch_size=args.batch_size,
+            max_wait_ms=args.max_wait_ms,
+            max_queue=args.max_queue,
+        )
+        with ServerThread(app) as srv:
+            print(f"serving on {srv.url}")
+            res = asyncio.run(load(args, srv.url, reqs, truth))
+            import urllib.request
+
+            metrics = urllib.request.urlopen(srv.url + "/metrics", timeout=30).read().decode()
+
+    out, lat = res["out"], np.array(res["lat"])
+    batches = metric_sum(metrics, "speceyes_batch_size_count")
+    mean_batch = metric_sum(metrics, "speceyes_batch_size_sum") / max(1.0, batches)
+    print(
+        f"results: ok={out['ok']} lost={out['lost']} failed={out['failed']} "
+        f"malformed={out['malformed']} mismatched={out['mismatched']} "
+        f"429s_retried={out['429']} gave_up={out['gave_up_after_429']}"
+    )
+    if res["errors"]:
+        print(f"errors: {dict(res['errors'])}")
+    print(f"routes: {dict(res['routes'])}")
+    if len(lat):
+        p50, p95, p99 = np.percentile(lat, [50, 95, 99])
+        print(
+            f"latency (client, incl. queueing and retries): p50 {p50:.3f} s  p95 {p95:.3f} s  "
+            f"p99 {p99:.3f} s  max {lat.max():.3f} s"
+        )
+    print(
+        f"throughput: {out['ok'] / res['wall']:.2f} req/s  ({out['ok']} answers in "
+        f"{res['wall']:.1f} s); {int(batches)} funnel batches, mean size {mean_batch:.1f}"
+    )
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"peak RSS: {rss:.0f} MiB")
+    bad = (
+        out["lost"]
+        + out["failed"]
+        + out["malformed"]
+        + out["mismatched"]
+        + out["gave_up_after_429"]
+    )
+    print("PASS" if bad == 0 else f"FAIL: {bad} requests without a correct answer")
+    return 0 if bad == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

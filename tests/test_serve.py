@@ -1,0 +1,430 @@
+"""``speceyes serve`` on the tiny real models, through the official openai client (sync and async).
+
+Servers run in-process on 127.0.0.1 (a free port) in a background thread with their own event
+loop; the CLI test starts ``python -m speceyes serve`` as a subprocess and stops it with SIGINT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import math
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("aiohttp")
+
+from speceyes.agents.zoom import ZoomAgent  # noqa: E402
+from speceyes.funnel import Funnel, FunnelConfig  # noqa: E402
+from speceyes.images import to_data_uri  # noqa: E402
+from speceyes.serve import ServerThread, create_app  # noqa: E402
+from speceyes.types import Query  # noqa: E402
+from tests.conftest import make_scene  # noqa: E402
+
+# Confidences of these tiny models on the scenes below sit around 0.81-0.85: this tau splits
+# them, so both the "small" and the "agent_after_gate" routes go through the server.
+TAU = 0.83
+ROUTES = {"small", "agent_after_gate", "agent_after_judge"}
+
+
+def scene_uri(i: int) -> str:
+    return to_data_uri(make_scene(size=(64 + 8 * i, 48), box=(2, 2, 20 + i, 20)))
+
+
+def messages(image_url: str, text: str = "What color is the box?") -> list[dict[str, Any]]:
+    return [
+        {"role": "system", "content": "ignored: the funnel has its own prompts"},
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": image_url}},
+                {"type": "text", "text": text},
+            ],
+        },
+    ]
+
+
+def make_funnel(q3, q25) -> Funnel:
+    return Funnel(q3, q25, ZoomAgent(q25, max_new_tokens=16), FunnelConfig(tau=TAU, batch_size=8))
+
+
+class Spy:
+    """Records the batch sizes the funnel sees; the real run_batch does the work."""
+
+    def __init__(self, funnel: Funnel, delay: float = 0.0) -> None:
+        self.real = funnel.run_batch
+        self.delay = delay
+        self.sizes: list[int] = []
+        funnel.run_batch = self  # type: ignore[method-assign]
+
+    def __call__(self, queries: list[Query]):
+        self.sizes.append(len(queries))
+        if self.delay:
+            time.sleep(self.delay)
+        return self.real(queries)
+
+
+@pytest.fixture(scope="module")
+def served(q3, q25) -> Iterator[tuple[ServerThread, Funnel, Spy]]:
+    funnel = make_funnel(q3, q25)
+    spy = Spy(funnel)
+    with ServerThread(create_app(funnel, batch_size=8, max_wait_ms=50, max_queue=64)) as srv:
+        yield srv, funnel, spy
+
+
+def client(srv: ServerThread):
+    # max_retries=0: the tests must see every status, not the client's retries.
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def aclient(srv: ServerThread):
+    return openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def http(srv: ServerThread, path: str, body: bytes | None = None) -> tuple[int, Any]:
+    req = urllib.request.Request(srv.url + path, data=body, method="POST" if body else "GET")
+    req.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            status, raw, ctype = r.status, r.read(), r.headers["Content-Type"]
+    except urllib.error.HTTPError as e:
+        status, raw, ctype = e.code, e.read(), e.headers["Content-Type"]
+    return status, json.loads(raw) if "json" in ctype else raw.decode()
+
+
+def post(srv: ServerThread, payload: Any) -> tuple[int, Any]:
+    body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+    return http(srv, "/v1/chat/completions", body)
+
+
+def parse_prometheus(text: str) -> dict[tuple[str, frozenset], float]:
+    """Samples of a text exposition (format 0.0.4), strictly: every line must parse."""
+    line_re = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (\S+)$")
+    label_re = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"(?:,|$)')
+    typed: dict[str, str] = {}
+    out: dict[tuple[str, frozenset], float] = {}
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split(" ")
+            assert kind in ("counter", "gauge", "histogram"), line
+            typed[name] = kind
+            continue
+        if line.startswith("# HELP ") or not line:
+            continue
+        m = line_re.match(line)
+        assert m, f"not a sample line: {line!r}"
+        name, raw, value = m.groups()
+        base = re.sub(r"_(bucket|sum|count)$", "", name)
+        assert name in typed or base in typed, f"sample before its TYPE: {line!r}"
+        labels, pos = {}, 0
+        while raw and pos < len(raw):
+            lm = label_re.match(raw, pos)
+            assert lm, f"bad labels: {line!r}"
+            labels[lm.group(1)] = lm.group(2)
+            pos = lm.end()
+        out[(name, frozenset(labels.items()))] = float(value)
+    return out
+
+
+def metric(samples: dict, name: str, **labels: str) -> float:
+    return samples[(name, frozenset(labels.items()))]
+
+
+# ---- answers ------------------------------------------------------------------------------
+def test_answer_with_speceyes_extra_field(served):
+    srv, _, _ = served
+    with client(srv) as c:
+        r = c.chat.completions.create(
+            model="speceyes",
+            messages=messages(scene_uri(0)),
+            extra_body={"options": ["red", "blue"]},
+        )
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].message.role == "assistant"
+    extra = r.model_extra["speceyes"]
+    assert extra["route"] in ROUTES
+    assert 0.0 <= extra["confidence"] <= 1.0 and 0.0 <= extra["p_tool"] <= 1.0
+    assert r.choices[0].message.content == (
+        extra["small_answer"] if extra["route"] == "small" else extra["agent_answer"]
+    )
+    assert {"judge", "small", "gate", "queue", "total"} <= set(extra["timings"])
+    assert extra["tool_calls"] >= 0 and extra["invalid_tool_calls"] >= 0
+    assert r.usage is not None and r.model == "speceyes"
+
+
+def test_concurrent_requests_are_batched_and_equal_direct_run_batch(served, q3, q25):
+    srv, _, spy = served
+    n = 8
+    reqs = [
+        (scene_uri(i), f"What color is box {i}?", ["red", "blue"] if i % 2 else None)
+        for i in range(n)
+    ]
+
+    async def send_all():
+        c = aclient(srv)
+        async with c:
+            return await asyncio.gather(
+                *[
+                    c.chat.completions.create(
+                        model="speceyes",
+                        messages=messages(url, text),
+                        extra_body={"options": opts} if opts else None,
+                    )
+                    for url, text, opts in reqs
+                ]
+            )
+
+    before = len(spy.sizes)
+    served_res = asyncio.run(send_all())
+    sizes = spy.sizes[before:]
+    assert sum(sizes) == n and max(sizes) > 1, sizes  # micro-batched, every request once
+
+    # The same queries straight through Funnel.run_batch, on the same models.
+    direct = make_funnel(q3, q25).run_batch(
+        [Query(id=str(i), image=u, question=t, options=o) for i, (u, t, o) in enumerate(reqs)]
+    )
+    assert all(abs(d.confidence - TAU) > 1e-4 for d in direct), "tau too close to a confidence"
+    assert {d.route for d in direct} == {"small", "agent_after_gate"}  # both paths exercised
+    for s, d in zip(served_res, direct, strict=True):
+        extra = s.model_extra["speceyes"]
+        assert s.choices[0].message.content == d.answer
+        assert extra["route"] == d.route and extra["small_answer"] == d.small_answer
+        assert extra["agent_answer"] == d.agent_answer and extra["tool_calls"] == d.tool_calls
+        # Padding in a different batch composition moves logits by ~1e-7.
+        assert math.isclose(extra["confidence"], d.confidence, abs_tol=1e-5)
+        assert math.isclose(extra["p_tool"], d.p_tool, abs_tol=1e-5)
+
+
+# ---- bad inputs ---------------------------------------------------------------------------
+def _user(*parts: dict[str, Any]) -> dict[str, Any]:
+    return {"model": "speceyes", "messages": [{"role": "user", "content": list(parts)}]}
+
+
+TEXT = {"type": "text", "text": "What color?"}
+
+
+def _img(url: str) -> dict[str, Any]:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+BAD = {
+    "not json": (b"{not json", "invalid_json"),
+    "not an object": ([1, 2], "invalid_body"),
+    "no messages": ({"model": "speceyes"}, "missing_messages"),
+    "text only": (
+        {"model": "x", "messages": [{"role": "user", "content": "hi"}]},
+        "missing_image",
+    ),
+    "no text": (_user(_img(scene_uri(0))), "missing_text"),
+    "bad base64": (_user(_img("data:image/png;base64,@@not-base64@@"), TEXT), "invalid_image"),
+    "corrupt image": (
+        _user(_img("data:image/png;base64," + base64.b64encode(b"\x89PNG junk").decode()), TEXT),
+        "invalid_image",
+    ),
+    "not an image type": (_user(_img("data:text/plain;base64,aGk="), TEXT), "invalid_image"),
+    "remote url": (_user(_img("http://example.com/a.png"), TEXT), "unsupported_image_url"),
+    "local file": (_user(_img("file:///etc/hosts"), TEXT), "local_files_disabled"),
+    "two images": (_user(_img(scene_uri(0)), _img(scene_uri(1)), TEXT), "too_many_images"),
+    "bad part": (_user({"type": "input_audio"}, TEXT), "invalid_content"),
+    "bad options": ({**_user(_img(scene_uri(0)), TEXT), "options": "red"}, "invalid_options"),
+    "stream": ({**_user(_img(scene_uri(0)), TEXT), "stream": True}, "unsupported_stream"),
+}
+
+
+def test_bad_inputs_get_400_json_and_the_server_keeps_serving(served):
+    srv, _, _ = served
+    for name, (payload, code) in BAD.items():
+        status, body = post(srv, payload)
+        assert status == 400, (name, status, body)
+        err = body["error"]
+        assert err["type"] == "invalid_request_error" and err["code"] == code, (name, err)
+        assert err["message"], name
+    # The official client raises its typed error with the same body.
+    with client(srv) as c, pytest.raises(openai.BadRequestError) as exc:
+        c.chat.completions.create(model="speceyes", messages=[{"role": "user", "content": "hi"}])
+    assert exc.value.body["code"] == "missing_image"
+    status, body = http(srv, "/no/such/path")
+    assert status == 404 and body["error"]["code"] == "not_found"
+    status, body = post(srv, _user(_img(scene_uri(2)), TEXT))
+    assert status == 200 and body["speceyes"]["route"] in ROUTES
+
+
+def test_local_files_only_when_allowed(q3, q25, tmp_path: Path):
+    path = tmp_path / "scene one.png"
+    make_scene(size=(64, 48)).save(path)
+    funnel = make_funnel(q3, q25)
+    with ServerThread(create_app(funnel, allow_local_files=True)) as srv:
+        status, body = post(srv, _user(_img(path.as_uri()), TEXT))
+        assert status == 200 and body["speceyes"]["route"] in ROUTES
+        status, body = post(srv, _user(_img((tmp_path / "missing.png").as_uri()), TEXT))
+        assert status == 400 and "not found" in body["error"]["message"]
+
+
+def test_request_too_large_is_413_json(q3, q25):
+    with ServerThread(create_app(make_funnel(q3, q25), max_body_mb=0.01)) as srv:
+        big = to_data_uri(make_scene(size=(64, 48))) + "A" * 20_000
+        status, body = post(srv, _user(_img(big), TEXT))
+        assert status == 413 and body["error"]["code"] == "request_too_large"
+
+
+# ---- backpressure and timeouts ------------------------------------------------------------
+def test_overload_gets_429_and_the_server_recovers(q3, q25):
+    funnel = make_funnel(q3, q25)
+    # Control-flow test: a wrapper sleeps before delegating to the real run_batch, so that the
+    # queue fills up deterministically on any machine.
+    spy = Spy(funnel, delay=0.4)
+    app = create_app(funnel, batch_size=1, max_wait_ms=0, max_queue=2)
+    with ServerThread(app) as srv:
+
+        async def burst():
+            c = aclient(srv)
+            async with c:
+                return await asyncio.gather(
+                    *[
+                        c.chat.completions.create(model="speceyes", messages=messages(scene_uri(i)))
+                        for i in range(8)
+                    ],
+                    return_exceptions=True,
+                )
+
+        out = asyncio.run(burst())
+        limited = [o for o in out if isinstance(o, openai.RateLimitError)]
+        ok = [o for o in out if not isinstance(o, Exception)]
+        assert len(limited) + len(ok) == len(out), out  # nothing else went wrong
+        assert limited and len(ok) >= 2 and max(spy.sizes) == 1
+        assert limited[0].body["code"] == "queue_full"
+        assert limited[0].response.headers["Retry-After"] == "1"
+        # Capacity comes back once the queue drains.
+        with client(srv) as c:
+            r = c.chat.completions.create(model="speceyes", messages=messages(scene_uri(0)))
+        assert r.model_extra["speceyes"]["route"] in ROUTES
+        samples = parse_prometheus(http(srv, "/metrics")[1])
+        assert metric(samples, "speceyes_requests_total", status="429") == len(limited)
+        assert metric(samples, "speceyes_requests_total", status="200") == len(ok) + 1
+        assert metric(samples, "speceyes_queue_depth") == 0
+
+
+def test_request_timeout_is_504(q3, q25):
+    funnel = make_funnel(q3, q25)
+    Spy(funnel, delay=1.0)  # control flow only: the real run_batch answers after the sleep
+    with ServerThread(create_app(funnel, request_timeout=0.3)) as srv:
+        status, body = post(srv, _user(_img(scene_uri(0)), TEXT))
+        assert status == 504 and body["error"]["code"] == "request_timeout"
+        assert http(srv, "/health")[1]["queue"] == 0
+
+
+def test_a_failing_batch_is_500_and_the_next_one_runs(q3, q25):
+    funnel = make_funnel(q3, q25)
+    real = funnel.run_batch
+    calls = []
+
+    def flaky(queries):  # control flow only: the first batch raises, later ones are real
+        calls.append(len(queries))
+        if len(calls) == 1:
+            raise RuntimeError("device lost")
+        return real(queries)
+
+    funnel.run_batch = flaky  # type: ignore[method-assign]
+    with ServerThread(create_app(funnel)) as srv:
+        status, body = post(srv, _user(_img(scene_uri(0)), TEXT))
+        assert status == 500 and body["error"]["type"] == "server_error"
+        assert "device lost" in body["error"]["message"]
+        status, body = post(srv, _user(_img(scene_uri(0)), TEXT))
+        assert status == 200 and body["speceyes"]["route"] in ROUTES
+        samples = parse_prometheus(http(srv, "/metrics")[1])
+        assert metric(samples, "speceyes_batch_errors_total") == 1
+
+
+# ---- health, models, metrics --------------------------------------------------------------
+def test_health_models_and_metrics(served):
+    srv, funnel, _ = served
+    status, health = http(srv, "/health")
+    assert status == 200 and health["status"] == "ok" and health["queue"] == 0
+    assert health["mode"] == "speceyes" and health["tau"] == TAU
+    with client(srv) as c:
+        assert [m.id for m in c.models.list()] == ["speceyes"]
+        assert c.models.retrieve("speceyes").owned_by == "speceyes"
+
+    before = parse_prometheus(http(srv, "/metrics")[1])
+    with client(srv) as c:
+        r = c.chat.completions.create(model="speceyes", messages=messages(scene_uri(3)))
+    route = r.model_extra["speceyes"]["route"]
+    post(srv, {"model": "speceyes"})  # one 400
+    status, text = http(srv, "/metrics")
+    assert status == 200
+    after = parse_prometheus(text)
+
+    def delta(name: str, **labels: str) -> float:
+        return metric(after, name, **labels) - metric(before, name, **labels)
+
+    assert delta("speceyes_requests_total", status="200") == 1
+    assert delta("speceyes_requests_total", status="400") == 1
+    assert delta("speceyes_routes_total", route=route) == 1
+    assert delta("speceyes_request_seconds_count") == 1
+    assert delta("speceyes_phase_seconds_count", phase="judge") == 1
+    assert delta("speceyes_funnel_queries_total") == 1
+    assert metric(after, "speceyes_queue_depth") == 0
+    assert metric(after, "speceyes_beta") == funnel.stats.beta
+    assert metric(after, "speceyes_alpha") == pytest.approx(funnel.stats.alpha)
+    for phase in ("judge", "small", "gate", "agent"):
+        buckets = sorted(
+            (float(dict(k[1])["le"]), v)
+            for k, v in after.items()
+            if k[0] == "speceyes_phase_seconds_bucket" and dict(k[1])["phase"] == phase
+        )
+        counts = [v for _, v in buckets]
+        assert counts == sorted(counts) and buckets[-1][0] == math.inf  # cumulative, ends +Inf
+        assert counts[-1] == metric(after, "speceyes_phase_seconds_count", phase=phase)
+    assert metric(after, "speceyes_phase_seconds_count", phase="judge") > 0
+
+
+# ---- the CLI ------------------------------------------------------------------------------
+def test_cli_serve_prints_url_answers_and_stops_on_ctrl_c(tiny_dirs):
+    cmd = [sys.executable, "-m", "speceyes", "serve", "--small", str(tiny_dirs["qwen3_vl"])]
+    cmd += ["--large", str(tiny_dirs["qwen2_5_vl"]), "--mode", "small", "--port", "0"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    ) as proc:
+        lines: queue.Queue[str] = queue.Queue()
+        # A reader thread: a hung child must fail the test, not block it on readline.
+        threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()
+        try:
+            url, seen = None, []
+            deadline = time.monotonic() + 90
+            while url is None and time.monotonic() < deadline and proc.poll() is None:
+                try:
+                    seen.append(lines.get(timeout=1))
+                except queue.Empty:
+                    continue
+                m = re.search(r"listening on (http://127\.0\.0\.1:\d+)", seen[-1])
+                url = m.group(1) if m else None
+            assert url, "".join(seen)
+            with openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0) as c:
+                r = c.chat.completions.create(model="speceyes", messages=messages(scene_uri(0)))
+            assert r.model_extra["speceyes"]["route"] == "small_only"
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=30) == 0
+            time.sleep(0.2)  # let the reader thread drain the last lines
+            rest = []
+            while not lines.empty():
+                rest.append(lines.get())
+            assert any("shutting down" in x for x in rest), rest
+        finally:
+            if proc.poll() is None:
+                proc.kill()
