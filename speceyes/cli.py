@@ -242,6 +242,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         output=out,
         limit=args.limit,
         resume=args.resume,
+        retry_errors=args.retry_errors,
         models={"small": args.small, "large": args.large},
         loader_kw=loader_kw,
     )
@@ -420,6 +421,11 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--output", default=None, help="run folder (default runs/BENCH-MODE)")
     ev.add_argument("--limit", type=int, default=None, help="only the first N queries")
     ev.add_argument("--resume", action="store_true", help="continue the run in --output")
+    ev.add_argument(
+        "--retry-errors",
+        action="store_true",
+        help="with --resume: redo logged queries that ended in an error (e.g. a dead server)",
+    )
     ev.add_argument("--no-shuffle", action="store_true", help="V*: keep published option order (answer always A)")
     ev.add_argument("--seed", type=int, default=0, help="V*: option shuffle seed")
     ev.add_argument("--split", default=None, help="POPE: adversarial | popular | random")

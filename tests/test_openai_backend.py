@@ -116,10 +116,10 @@ def gguf_models(tmp_path_factory):
 
 
 class _Server:
-    def __init__(self, model: Path, mmproj: Path, log: Path) -> None:
+    def __init__(self, model: Path, mmproj: Path, log: Path, port: int | None = None) -> None:
         from speceyes.tiny_gguf import server_command
 
-        self.port = _free_port()
+        self.port = port or _free_port()
         self.url = f"http://127.0.0.1:{self.port}/v1"
         self.log = log
         cmd = server_command(model, mmproj, port=self.port, n_ctx=1024) + ["--n_threads", "2"]
@@ -512,3 +512,50 @@ def test_no_server_needed_to_construct():
         OpenAIBackend("http://127.0.0.1:9/v1", family="llava")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="base_urls"):
         OpenAIBackend([])
+
+
+def test_server_killed_mid_eval_loses_nothing_and_resumes(gguf_models, tmp_path):
+    """A backend server dies mid-run: retries, then clear errors; the run resumes once it is back."""
+    from speceyes.agents.zoom import ZoomAgent
+    from speceyes.bench.runner import EvalSpec, read_logged, run_eval
+    from speceyes.funnel import Funnel, FunnelConfig
+    from speceyes.types import Query
+
+    model, mmproj = gguf_models["qwen2_5_vl"]
+    server = _Server(model, mmproj, tmp_path / "server.log")
+    url, port = server.url, server.port
+    queries = [
+        Query(id=f"q{i}", image=make_scene(box=(20 + 30 * i, 30, 90 + 30 * i, 100)),
+              question="What color?", options=["red", "blue"], answer="A")
+        for i in range(6)
+    ]
+
+    def funnel() -> Funnel:
+        be = OpenAIBackend(url, max_retries=1, backoff=0.05, timeout=10, extra_body=GREEDY,
+                           **SMALL_PIXELS)
+        cfg = FunnelConfig(tau=0.5, top_k=5, batch_size=2, max_new_tokens=3)
+        return Funnel(be, be, ZoomAgent(be, max_new_tokens=6), cfg)
+
+    def dying(qs):
+        for i, q in enumerate(qs):
+            if i == 2:
+                server.stop()  # the server dies after the first batch
+            yield q
+
+    spec = EvalSpec(bench="jsonl", data="mem", output=tmp_path / "run", models={"m": url})
+    try:
+        run_eval(spec, funnel(), dying(queries), progress=False, plots=False)
+        logged = read_logged(spec.output / "samples.jsonl")
+        assert [r["id"] for r in logged] == [q.id for q in queries]  # nothing lost
+        failed = [r for r in logged if r["error"]]
+        assert len(failed) == 4 and all("127.0.0.1" in r["error"] for r in failed)
+        assert all(not r["correct"] for r in failed)  # errors count as wrong
+
+        server = _Server(model, mmproj, tmp_path / "server2.log", port=port)
+        spec.resume, spec.retry_errors = True, True
+        res = run_eval(spec, funnel(), iter(queries), progress=False, plots=False)
+        again = read_logged(spec.output / "samples.jsonl")
+        assert sorted(r["id"] for r in again) == sorted(q.id for q in queries)
+        assert res["n_errors"] == 0 and res["n"] == 6
+    finally:
+        server.stop()

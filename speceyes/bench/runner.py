@@ -41,6 +41,7 @@ class EvalSpec:
     output: Path
     limit: int | None = None
     resume: bool = False
+    retry_errors: bool = False  # on resume, redo logged queries that ended in an error
     models: dict[str, str | None] = field(default_factory=dict)
     loader_kw: dict[str, Any] = field(default_factory=dict)
 
@@ -212,6 +213,11 @@ def run_eval(
                 )
     _truncate_torn_tail(samples_path)
     done_records = read_logged(samples_path)
+    if spec.retry_errors:
+        kept = [r for r in done_records if not (r.get("error") or r.get("agent_error"))]
+        if len(kept) < len(done_records):
+            _write_lines(samples_path, kept)
+        done_records = kept
     done_ids = {r["id"] for r in done_records}
     _write_json(cfg_path, state)
 
@@ -280,6 +286,17 @@ def run_eval(
             results["plots_error"] = f"{type(e).__name__}: {e}"
         _write_json(out / RESULTS, results)
     return results
+
+
+def _write_lines(path: Path, records: list[dict[str, Any]]) -> None:
+    """Replace a samples file atomically: a crash leaves either the old or the new file."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with tmp.open("w", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(r, default=_json_default) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def _json_default(o: Any) -> Any:
