@@ -139,3 +139,87 @@ STEP_SCORE_PROMPT = (
     "Evaluate the assistant's last step above: is it correct and useful for answering the "
     "question? Rate it from 0 (wrong or useless) to 9 (correct and useful). Output only the digit."
 )
+
+
+# --- Thyme (Kwai-Keye/Thyme-RL, Qwen2.5-VL-7B writing Python in <code>) ------------------------
+# Byte for byte from the published Thyme repository (github.com/yfzhang114/Thyme):
+# REASONING_SYS_PROMPT and generate_prompt_final_qa in eval/VLMEvalKit/vlmeval/vlm/thyme/utils.py
+# (the same system prompt is in swift/trainers/rlhf_trainer/grpo_trainer.py, used for RL), the
+# question formats of eval/VLMEvalKit/vlmeval/vlm/thyme/prompt.py (ThymePromptMixin) and the
+# stop strings SPECIAL_STRING_LIST (+ <|im_end|>, the end of an assistant turn).
+THYME_SYSTEM = (
+    "You are a helpful assistant.\n\n"
+    "Solve the following problem step by step, and optionally write Python code for image "
+    "manipulation to enhance your reasoning process. The Python code will be executed by an "
+    "external sandbox, and the processed image or result (wrapped in "
+    "<sandbox_output></sandbox_output>) can be returned to aid your reasoning and help you arrive "
+    "at the final answer.\n\n"
+    "**Reasoning & Image Manipulation (Optional but Encouraged):**\n"
+    "    * You have the capability to write executable Python code to perform image manipulations "
+    "(e.g., cropping to a Region of Interest (ROI), resizing, rotation, adjusting contrast) or "
+    "perform calculation for better reasoning.\n"
+    "    * The code will be executed in a secure sandbox, and its output will be provided back to "
+    "you for further analysis.\n"
+    "    * All Python code snippets **must** be wrapped as follows:\n"
+    "    <code>\n"
+    "    ```python\n"
+    "    # your code.\n"
+    "    ```\n"
+    "    </code>\n"
+    "    * At the end of the code, print the path of the processed image (processed_path) or the "
+    "result for further processing in a sandbox environment."
+)
+# generate_prompt_final_qa: the published inference keeps the literal "<image>" line after the
+# real image part (training replaced it by the image tokens); path and size are the file's.
+THYME_USER_TEMPLATE = (
+    "<image>\n"
+    "{question}\n\n"
+    '### User Image Path:** "{image_path}"\n'
+    '### User Image Size:** "{image_size}"\n\n'
+    "### **Output Format (strict adherence required):**\n\n"
+    "<think>Your detailed reasoning process, including any code, should go here.</think>\n"
+    "<answer>Your final answer to the user's question goes here.</answer>\n"
+)
+THYME_MCQ_EN = "Please select the correct answer from the options above."
+THYME_MCQ_CN = "请直接回答选项字母。"
+THYME_VQA_SUFFIX = "\nPlease try to answer the question with short words or phrases if possible."
+THYME_YORN_SUFFIX = " Please answer yes or no."
+THYME_STOP = ("</code>", "</answer>", "<|im_end|>")
+SANDBOX_OPEN, SANDBOX_CLOSE = "<sandbox_output>", "</sandbox_output>"
+
+
+def thyme_question(
+    question: str, options: Sequence[str] | None = None, kind: str | None = None
+) -> str:
+    """The question text as Thyme's VLMEvalKit prompt builds it: multiple choice (``options``),
+    yes/no (``kind="yorn"``) or short-answer VQA (default)."""
+    if options:
+        if len(options) > len(OPTION_LETTERS):
+            raise ValueError(f"at most {len(OPTION_LETTERS)} options are supported")
+        prompt = f"Question: {question}\nOptions:\n"
+        prompt += "".join(f"{OPTION_LETTERS[i]}. {opt}\n" for i, opt in enumerate(options))
+        cn = any("\u4e00" <= c <= "\u9fff" for c in prompt)
+        return (prompt + (THYME_MCQ_CN if cn else THYME_MCQ_EN)).rstrip()
+    if kind == "yorn":
+        return question + THYME_YORN_SUFFIX
+    return question + THYME_VQA_SUFFIX
+
+
+def thyme_messages(
+    image,
+    question: str,
+    options: Sequence[str] | None,
+    image_path: str,
+    image_size: tuple[int, int],
+    kind: str | None = None,
+) -> list[dict]:
+    """System + user turn; ``image_path``/``image_size`` name the file the code will open."""
+    text = THYME_USER_TEMPLATE.format(
+        question=thyme_question(question, options, kind),
+        image_path=image_path,
+        image_size=f"{image_size[0]}x{image_size[1]}",
+    )
+    return [
+        {"role": "system", "content": THYME_SYSTEM},
+        {"role": "user", "content": [image_part(image), text_part(text)]},
+    ]

@@ -559,3 +559,27 @@ def test_server_killed_mid_eval_loses_nothing_and_resumes(gguf_models, tmp_path)
         assert res["n_errors"] == 0 and res["n"] == 6
     finally:
         server.stop()
+
+
+def test_continued_assistant_turn_asks_the_server_to_continue():
+    """Thyme's sandbox output goes into the same assistant turn: the request says "continue"."""
+    b = OpenAIBackend(_dead_url(), model="m")
+    seen = []
+
+    async def capture(converted, what, **kw):
+        seen.append((converted[-1], kw.get("extra_body")))
+
+    b._complete = capture  # the request body is the unit under test; no server involved
+    b._send(
+        [
+            [{"role": "user", "content": "q"}],
+            [{"role": "user", "content": "q"},
+             {"role": "assistant", "content": "<code>x</code>", "continue": True}],
+        ],
+        "chat",
+        max_tokens=3,
+    )
+    b.close()
+    assert seen[0][1] is None
+    assert seen[1][1] == {"continue_final_message": True, "add_generation_prompt": False}
+    assert seen[1][0] == {"role": "assistant", "content": "<code>x</code>"}

@@ -185,9 +185,19 @@ class HFBackend:
                             parts.append(p)
                     content = parts
                 clean.append({"role": m["role"], "content": content})
+            # {"role": "assistant", ..., "continue": True} last: extend that turn (Thyme's
+            # code loop) instead of opening a new one.
+            cont = bool(messages) and messages[-1].get("continue") is True
+            if cont and isinstance(clean[-1]["content"], list):
+                if not clean[-1]["content"] or clean[-1]["content"][-1].get("type") != "text":
+                    clean[-1]["content"].append({"type": "text", "text": ""})  # keep a last image
+            mode = {"continue_final_message": True} if cont else {}
             texts.append(
                 self.tokenizer.apply_chat_template(
-                    clean, tokenize=False, add_generation_prompt=add_generation_prompt
+                    clean,
+                    tokenize=False,
+                    add_generation_prompt=add_generation_prompt and not cont,
+                    **mode,
                 )
             )
         extra: dict[str, Any] = {}

@@ -349,11 +349,21 @@ class OpenAIBackend:
         # Images are resized and PNG-encoded in the caller's thread, not on the shared loop,
         # so a large image never stalls requests that are already in flight.
         converted = [self._convert(m) for m in batch]
+        # A conversation whose last assistant message is marked "continue" (Thyme writes its
+        # sandbox output into the same turn) is continued, not answered with a new turn: vLLM
+        # and SGLang take these two chat-template switches in the request body.
+        cont = {"continue_final_message": True, "add_generation_prompt": False}
+        extras = [
+            {**params.get("extra_body", {}), **cont} if m and m[-1].get("continue") else None
+            for m in batch
+        ]
 
         async def gather() -> list[Any]:
-            return list(
-                await asyncio.gather(*(self._complete(c, what, **params) for c in converted))
-            )
+            calls = []
+            for c, extra in zip(converted, extras, strict=True):
+                kw = dict(params) if extra is None else {**params, "extra_body": extra}
+                calls.append(self._complete(c, what, **kw))
+            return list(await asyncio.gather(*calls))
 
         return self._run(gather)
 

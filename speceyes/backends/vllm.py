@@ -63,6 +63,7 @@ class VLLMBackend:
         self.min_pixels = min_pixels or 4 * self.factor**2
         self.max_pixels = max_pixels or 16384 * self.factor**2
         self.max_logprobs = max_logprobs
+        self.max_images = max_images  # per prompt; agents that add images stay under it
         self.llm = LLM(
             model=model,
             max_logprobs=max_logprobs,
@@ -101,10 +102,22 @@ class VLLMBackend:
         return out
 
     def _chat(self, batch: Sequence[Messages], params) -> list:
+        # A last {"role": "assistant", ..., "continue": True} extends that turn (Thyme). vLLM
+        # takes that mode per call, so a mixed batch goes as two calls, results in order.
+        cont = [bool(m) and m[-1].get("continue") is True for m in batch]
+        out: list = [None] * len(batch)
         try:
-            return self.llm.chat([self._convert(m) for m in batch], params, use_tqdm=False)
+            for flag in (False, True):
+                idx = [i for i, c in enumerate(cont) if c is flag]
+                if not idx:
+                    continue
+                kw = {"add_generation_prompt": False, "continue_final_message": True} if flag else {}
+                convs = [self._convert(batch[i]) for i in idx]
+                for i, o in zip(idx, self.llm.chat(convs, params, use_tqdm=False, **kw), strict=True):
+                    out[i] = o
         except Exception as e:  # pragma: no cover - GPU only
             raise BackendError(f"{self.name}: vLLM generation failed: {e}") from e
+        return out
 
     def judge(self, batch: Sequence[Messages], mode: JudgeMode = "logit") -> list[float]:
         from vllm import SamplingParams
