@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _THINK_END = "</think>"
@@ -33,3 +34,41 @@ def fallback_answer(text: str) -> str:
     if _THINK_END in text:
         text = text.rsplit(_THINK_END, 1)[1]
     return text.strip()
+
+
+class Loop(Protocol):
+    outcome: AgentOutcome
+    done: bool
+
+
+class LoopAgent:
+    """Continuous batching over an agent's incremental API (``start_loop`` and ``advance``)."""
+
+    def start_loop(self, query: Any) -> Loop:  # pragma: no cover - implemented by agents
+        raise NotImplementedError
+
+    def advance(self, loops: Sequence[Any]) -> None:  # pragma: no cover
+        raise NotImplementedError
+
+    def run(self, queries: Sequence[Any], max_active: int | None = None) -> list[AgentOutcome]:
+        """Run every query's loop to its end.
+
+        Loops advance together, one batched turn per step; with ``max_active`` at most that many
+        are in flight and a finished loop's place goes to the next query (continuous batching).
+        """
+        outcomes: list[AgentOutcome | None] = [None] * len(queries)
+        pending = list(enumerate(queries))[::-1]
+        active: list[tuple[int, Any]] = []
+        while pending or active:
+            while pending and (max_active is None or len(active) < max_active):
+                i, q = pending.pop()
+                try:
+                    active.append((i, self.start_loop(q)))
+                except (OSError, ValueError) as e:
+                    outcomes[i] = AgentOutcome(answer="", error=f"{type(e).__name__}: {e}")
+            self.advance([lp for _, lp in active])
+            for i, lp in active:
+                if lp.done:
+                    outcomes[i] = lp.outcome
+            active = [(i, lp) for i, lp in active if not lp.done]
+        return [o if o is not None else AgentOutcome(answer="", error="not run") for o in outcomes]

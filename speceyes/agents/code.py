@@ -41,7 +41,7 @@ from typing import Any
 from PIL import Image
 
 from speceyes import prompts
-from speceyes.agents.base import AgentOutcome, fallback_answer, last_answer
+from speceyes.agents.base import AgentOutcome, LoopAgent, fallback_answer, last_answer
 from speceyes.agents.sandbox import DEFAULT_ALLOWED_MODULES, Sandbox, SandboxResult
 from speceyes.backends.base import Backend, BackendError, Messages
 from speceyes.images import MAX_RATIO, ImageError, load_image, resize_for_model
@@ -307,7 +307,7 @@ def _raw_file(src: Any, image: Image.Image) -> tuple[str | None, bytes | None, s
     return (None, data, ext) if data is not None else (os.fspath(src), None, "")
 
 
-class CodeAgent:
+class CodeAgent(LoopAgent):
     """Thyme's code-writing loop over any backend, with a process sandbox."""
 
     name = "thyme"
@@ -584,22 +584,3 @@ class CodeAgent:
         for lp in active:
             if lp.done:
                 self._end(lp)
-
-    def run(self, queries: Sequence[Query], max_active: int | None = None) -> list[AgentOutcome]:
-        """Run every query's loop to its end (continuous batching with ``max_active``)."""
-        outcomes: list[AgentOutcome | None] = [None] * len(queries)
-        pending = list(enumerate(queries))[::-1]
-        active: list[tuple[int, _Loop]] = []
-        while pending or active:
-            while pending and (max_active is None or len(active) < max_active):
-                i, q = pending.pop()
-                try:
-                    active.append((i, self.start_loop(q)))
-                except (OSError, ValueError) as e:
-                    outcomes[i] = AgentOutcome(answer="", error=f"{type(e).__name__}: {e}")
-            self.advance([lp for _, lp in active])
-            for i, lp in active:
-                if lp.done:
-                    outcomes[i] = lp.outcome
-            active = [(i, lp) for i, lp in active if not lp.done]
-        return [o if o is not None else AgentOutcome(answer="", error="not run") for o in outcomes]

@@ -17,7 +17,7 @@ from typing import Any
 from PIL import Image
 
 from speceyes import prompts
-from speceyes.agents.base import AgentOutcome, fallback_answer, last_answer
+from speceyes.agents.base import AgentOutcome, LoopAgent, fallback_answer, last_answer
 from speceyes.backends.base import Backend, BackendError, Messages
 from speceyes.images import BoxError, View, load_image, zoom_crop
 from speceyes.types import Query
@@ -88,7 +88,7 @@ class _Loop:
     started: float = field(default_factory=time.perf_counter)
 
 
-class ZoomAgent:
+class ZoomAgent(LoopAgent):
     """DeepEyes' image_zoom_in_tool loop over any backend."""
 
     name = "deepeyes"
@@ -191,26 +191,3 @@ class ZoomAgent:
 
     def _end(self, lp: _Loop) -> None:
         lp.outcome.trace.append({"type": "end", "seconds": round(time.perf_counter() - lp.started, 6)})
-
-    def run(self, queries: Sequence[Query], max_active: int | None = None) -> list[AgentOutcome]:
-        """Run every query's loop to its end.
-
-        Loops advance together, one batched turn per step; with ``max_active`` at most that many
-        are in flight and a finished loop's place goes to the next query (continuous batching).
-        """
-        outcomes: list[AgentOutcome | None] = [None] * len(queries)
-        pending = list(enumerate(queries))[::-1]
-        active: list[tuple[int, _Loop]] = []
-        while pending or active:
-            while pending and (max_active is None or len(active) < max_active):
-                i, q = pending.pop()
-                try:
-                    active.append((i, self.start_loop(q)))
-                except (OSError, ValueError) as e:
-                    outcomes[i] = AgentOutcome(answer="", error=f"{type(e).__name__}: {e}")
-            self.advance([lp for _, lp in active])
-            for i, lp in active:
-                if lp.done:
-                    outcomes[i] = lp.outcome
-            active = [(i, lp) for i, lp in active if not lp.done]
-        return [o if o is not None else AgentOutcome(answer="", error="not run") for o in outcomes]
