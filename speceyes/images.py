@@ -298,6 +298,17 @@ class View:
         return self.orig_h / self.view_h
 
 
+def view_for_model(
+    image: Image.Image,
+    factor: int = FACTOR,
+    min_pixels: int = MIN_PIXELS,
+    max_pixels: int = MAX_PIXELS,
+) -> View:
+    """The geometry of ``image`` as a model with these resize settings sees it (no resizing)."""
+    h, w = smart_resize(image.height, image.width, factor, min_pixels, max_pixels)
+    return View(orig_w=image.width, orig_h=image.height, view_w=w, view_h=h)
+
+
 def resize_for_model(
     image: Image.Image,
     factor: int = FACTOR,

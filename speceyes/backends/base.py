@@ -16,6 +16,12 @@ from speceyes.types import ChatTurn, SpecAnswer
 Messages = list[dict[str, Any]]
 JudgeMode = Literal["logit", "decode"]
 
+# Per model family: the box convention of its tool calls and its resize factor (patch x merge).
+FAMILIES: dict[str, tuple[Literal["absolute", "relative1000"], int]] = {
+    "qwen2_5_vl": ("absolute", 28),
+    "qwen3_vl": ("relative1000", 32),
+}
+
 # First-token variants whose probabilities are summed for the one-step judge.
 YES_VARIANTS = ("yes", "Yes", "YES", " yes", " Yes", " YES")
 NO_VARIANTS = ("no", "No", "NO", " no", " No", " NO")

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from speceyes.backends.base import (
+    FAMILIES,
     NO_VARIANTS,
     YES_VARIANTS,
     BackendError,
@@ -27,12 +28,11 @@ from speceyes.backends.base import (
     cut_at_stop,
     decode_rule_p_tool,
 )
-from speceyes.images import View, load_image, resize_for_model, smart_resize
+from speceyes.images import View, load_image, resize_for_model, view_for_model
 from speceyes.types import ChatTurn, SpecAnswer
 
 log = logging.getLogger(__name__)
 
-_FAMILIES = {"qwen2_5_vl": ("absolute", 28), "qwen3_vl": ("relative1000", 32)}
 
 
 class ModelLoadError(ValueError):
@@ -87,13 +87,13 @@ class HFBackend:
                 f"could not load model {source!r}: not a local folder, and not reachable as a hub "
                 f"id ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
             ) from e
-        if config.model_type not in _FAMILIES:
+        if config.model_type not in FAMILIES:
             raise ModelLoadError(
                 f"{source}: model type {config.model_type!r} is not supported; "
-                f"speceyes runs {', '.join(_FAMILIES)} checkpoints"
+                f"speceyes runs {', '.join(FAMILIES)} checkpoints"
             )
         self.family = config.model_type
-        self.box_coords, default_factor = _FAMILIES[self.family]
+        self.box_coords, default_factor = FAMILIES[self.family]
         kwargs: dict[str, Any] = {"dtype": dtype}
         if device_map is not None:
             kwargs["device_map"] = device_map
@@ -134,8 +134,7 @@ class HFBackend:
     # ---- geometry -------------------------------------------------------------------------
     def view_of(self, image: Any) -> View:
         img = load_image(image, copy=False)
-        h, w = smart_resize(img.height, img.width, self.factor, self.min_pixels, self.max_pixels)
-        return View(orig_w=img.width, orig_h=img.height, view_w=w, view_h=h)
+        return view_for_model(img, self.factor, self.min_pixels, self.max_pixels)
 
     # ---- input building -------------------------------------------------------------------
     def _eos_ids(self) -> set[int]:

@@ -51,6 +51,7 @@ import numpy as np
 from PIL import Image
 
 from speceyes.backends.base import (
+    FAMILIES,
     NO_VARIANTS,
     YES_VARIANTS,
     BackendError,
@@ -58,17 +59,13 @@ from speceyes.backends.base import (
     Messages,
     decode_rule_p_tool,
 )
-from speceyes.images import View, load_image, resize_for_model, smart_resize, to_data_uri
+from speceyes.images import View, load_image, resize_for_model, to_data_uri, view_for_model
 from speceyes.types import ChatTurn, SpecAnswer
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 Family = Literal["qwen2_5_vl", "qwen3_vl"]
-_FAMILIES: dict[str, tuple[Literal["absolute", "relative1000"], int]] = {
-    "qwen2_5_vl": ("absolute", 28),
-    "qwen3_vl": ("relative1000", 32),
-}
 # The top-level judge tokens, compared after stripping (servers return token text).
 _YES = frozenset(v.strip() for v in YES_VARIANTS)
 _NO = frozenset(v.strip() for v in NO_VARIANTS)
@@ -119,13 +116,13 @@ class OpenAIBackend:
         urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
         if not urls:
             raise ValueError("base_urls is empty: give at least one http://host:port/v1 URL")
-        if family not in _FAMILIES:
-            raise ValueError(f"unknown family {family!r}; use one of {', '.join(_FAMILIES)}")
+        if family not in FAMILIES:
+            raise ValueError(f"unknown family {family!r}; use one of {', '.join(FAMILIES)}")
         if max_retries < 0 or max_logprobs < 1 or max_concurrency < 1:
             raise ValueError("max_retries must be >= 0, max_logprobs and max_concurrency >= 1")
         self._openai = openai
         self.family = family
-        self.box_coords, self.factor = _FAMILIES[family]
+        self.box_coords, self.factor = FAMILIES[family]
         # DeepEyes defaults (4..16384 merged patches), scaled by the family's factor.
         self.min_pixels = min_pixels or 4 * self.factor**2
         self.max_pixels = max_pixels or 16384 * self.factor**2
@@ -370,8 +367,7 @@ class OpenAIBackend:
     # ---- geometry and messages ------------------------------------------------------------
     def view_of(self, image: Any) -> View:
         img = load_image(image)
-        h, w = smart_resize(img.height, img.width, self.factor, self.min_pixels, self.max_pixels)
-        return View(orig_w=img.width, orig_h=img.height, view_w=w, view_h=h)
+        return view_for_model(img, self.factor, self.min_pixels, self.max_pixels)
 
     def _data_uri(self, src: Any) -> str:
         """The image as the model must see it (smart_resized here) as a PNG data URI."""

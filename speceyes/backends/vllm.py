@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from speceyes.backends.base import (
+    FAMILIES,
     NO_VARIANTS,
     YES_VARIANTS,
     BackendError,
@@ -24,10 +25,8 @@ from speceyes.backends.base import (
     cut_at_stop,
     decode_rule_p_tool,
 )
-from speceyes.images import View, load_image, resize_for_model, smart_resize
+from speceyes.images import View, load_image, resize_for_model, view_for_model
 from speceyes.types import ChatTurn, SpecAnswer
-
-_FAMILIES = {"qwen2_5_vl": ("absolute", 28), "qwen3_vl": ("relative1000", 32)}
 
 
 class VLLMBackend:
@@ -55,11 +54,11 @@ class VLLMBackend:
             from transformers import AutoConfig
 
             family = AutoConfig.from_pretrained(model).model_type
-        if family not in _FAMILIES:
-            raise ValueError(f"unsupported model family {family!r}; use one of {list(_FAMILIES)}")
+        if family not in FAMILIES:
+            raise ValueError(f"unsupported model family {family!r}; use one of {list(FAMILIES)}")
         self.name = name or model.rstrip("/").rsplit("/", 1)[-1]
         self.family = family
-        self.box_coords, self.factor = _FAMILIES[family]
+        self.box_coords, self.factor = FAMILIES[family]
         self.min_pixels = min_pixels or 4 * self.factor**2
         self.max_pixels = max_pixels or 16384 * self.factor**2
         self.max_logprobs = max_logprobs
@@ -79,8 +78,7 @@ class VLLMBackend:
 
     def view_of(self, image: Any) -> View:
         img = load_image(image)
-        h, w = smart_resize(img.height, img.width, self.factor, self.min_pixels, self.max_pixels)
-        return View(orig_w=img.width, orig_h=img.height, view_w=w, view_h=h)
+        return view_for_model(img, self.factor, self.min_pixels, self.max_pixels)
 
     def _convert(self, messages: Messages) -> list[dict]:
         out = []
