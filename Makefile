@@ -26,7 +26,7 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check speceyes tests benchmarks
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check speceyes tests benchmarks
