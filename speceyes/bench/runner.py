@@ -219,7 +219,6 @@ def run_eval(
             _write_lines(samples_path, kept)
         done_records = kept
     done_ids = {r["id"] for r in done_records}
-    _write_json(cfg_path, state)
 
     todo = (q for q in _limited(queries, spec.limit) if q.id not in done_ids)
     n_total = (
@@ -236,8 +235,9 @@ def run_eval(
 
     t0 = time.perf_counter()
     # The segment is kept current in run.json as the run goes, so a killed run's time still counts.
-    segment = {"seconds": 0.0, "queries": 0}
+    segment = {"started": time.time(), "seconds": 0.0, "queries": 0}
     state["segments"].append(segment)
+    _write_json(cfg_path, state)  # a run killed before its first update still shows the segment
     last_save = t0
     try:
         with samples_path.open("a", encoding="utf-8") as f:
