@@ -66,9 +66,10 @@ def add_funnel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--agent",
         default="deepeyes",
-        choices=["deepeyes", "thyme"],
-        help="agent loop of the large model: deepeyes (zoom tool calls, default) or thyme "
-        "(Python code run in a process sandbox)",
+        choices=["deepeyes", "thyme", "search"],
+        help="agent loop of the large model: deepeyes (zoom tool calls, default), thyme "
+        "(Python code run in a process sandbox), or search (training-free zoom search scored "
+        "by the model's own P(yes) per region)",
     )
     g.add_argument(
         "--tau", type=float, default=None, help="gate threshold (default 0.98; thyme: 0.95)"
@@ -172,10 +173,15 @@ def build_funnel(args: argparse.Namespace):
             raise ValueError("--mode specreason runs the DeepEyes loop; use --agent deepeyes")
         agent = SpecReasonAgent(small, large, **loop_kw)
     elif large is not None:
-        if getattr(args, "agent", "deepeyes") == "thyme":
+        kind = getattr(args, "agent", "deepeyes")
+        if kind == "thyme":
             from speceyes.agents.code import CodeAgent
 
             agent = CodeAgent(large, **loop_kw)
+        elif kind == "search":
+            from speceyes.agents.search import SearchAgent
+
+            agent = SearchAgent(large, max_new_tokens=args.agent_max_tokens)
         else:
             agent = ZoomAgent(large, **loop_kw)
     return Funnel(small, large, agent, config)
@@ -537,7 +543,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["miniworld"]:  # its own parser, --help included
+    if argv[:2] == ["miniworld", "train"]:  # its own parser, --help included
+        from speceyes.miniworld.train import main as train_main
+
+        return int(train_main(argv[2:]) or 0)
+    if argv[:1] == ["miniworld"]:
         from speceyes.miniworld.scenes import main as scenes_main
 
         return int(scenes_main(argv[1:]) or 0)

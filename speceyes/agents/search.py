@@ -1,0 +1,293 @@
+"""A training-free zoom agent (ZoomEye-style): search the image for the target, then answer.
+
+The large model is not asked to write a box. Instead, at each depth the current region is split
+into an overlapping grid; every cell is cropped with the same zoom tool the DeepEyes loop uses
+(:func:`speceyes.images.zoom_crop`, always from the ORIGINAL image) and scored by the model's own
+probability of "yes" to ``Is there a {target} in the image?``; the agent zooms into the best cell
+and repeats, up to ``depth`` times or until the region is shown at native resolution. The answer is
+then asked in the DeepEyes conversation shape: the question on the full image, an assistant
+``<tool_call>`` with the chosen box (written by the agent, not the model), the crop returned as the
+real ``<tool_response>`` turn, and the model's ``<answer>``.
+
+Loops run in lockstep like :class:`speceyes.agents.zoom.ZoomAgent`: one batched scoring call for
+every searching loop's cells and one batched answer call for every answering loop per step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+from PIL import Image
+
+from speceyes import prompts
+from speceyes.agents.base import AgentOutcome, LoopAgent, fallback_answer, last_answer
+from speceyes.backends.base import Backend, BackendError, Messages
+from speceyes.images import BoxError, View, load_image, zoom_crop
+from speceyes.types import Query
+
+# Mini-world and V*-style templates -> the object to look for.
+_PATTERNS = (
+    re.compile(r"^is there an? (?P<t>.+?) in the image\??$", re.I),
+    re.compile(r"^what shape is the (?P<t>.+?)\??$", re.I),
+    re.compile(r"^what is the (?:colou?r|shape|size|material) of the (?P<t>.+?)\??$", re.I),
+    re.compile(r"^is the (?P<t>.+?) (?:on|to|at|in) the (?:left|right)", re.I),
+    re.compile(r"^(?:where|what colou?r) is the (?P<t>.+?)\??$", re.I),
+)
+
+
+def target_phrase(question: str) -> str | None:
+    """The object a question is about, for the templates we know; None otherwise."""
+    q = question.strip()
+    for pat in _PATTERNS:
+        m = pat.match(q)
+        if m:
+            return m.group("t").strip()
+    return None
+
+
+def score_question(question: str) -> str:
+    """The yes/no question a region is scored with (the mini-world's POPE template)."""
+    t = target_phrase(question)
+    if t is not None:
+        return f"Is there a {t} in the image?"
+    # Generic fallback: does this region show what the whole question asks about?
+    return f"Is there anything in the image that answers this question: {question.strip()}"
+
+
+def grid_boxes(
+    box: Sequence[float], grid: int, overlap: float
+) -> list[tuple[float, float, float, float]]:
+    """``grid`` x ``grid`` cells covering ``box`` (x1, y1, x2, y2), each side ``(1 + overlap)/grid``
+    of the box's (clipped to it), evenly spaced from edge to edge."""
+    x1, y1, x2, y2 = box
+    w, h = x2 - x1, y2 - y1
+    cw, ch = min(w, w * (1 + overlap) / grid), min(h, h * (1 + overlap) / grid)
+    out = []
+    for j in range(grid):
+        for i in range(grid):
+            ox = x1 + (0 if grid == 1 else i * (w - cw) / (grid - 1))
+            oy = y1 + (0 if grid == 1 else j * (h - ch) / (grid - 1))
+            out.append((ox, oy, ox + cw, oy + ch))
+    return out
+
+
+@dataclass
+class _Loop:
+    query: Query
+    image: Image.Image
+    view: View
+    scorer: str  # the yes/no question each region is scored with
+    label: str
+    region: tuple[float, float, float, float]  # original pixels
+    depth: int = 0
+    crop: Image.Image | None = None
+    call_text: str | None = None  # the <tool_call> of the last zoom
+    searching: bool = True
+    outcome: AgentOutcome = field(default_factory=lambda: AgentOutcome(answer=""))
+    done: bool = False
+    started: float = field(default_factory=time.perf_counter)
+
+
+class SearchAgent(LoopAgent):
+    """Zoom by search over regions scored with the model's own P(yes); same API as ZoomAgent."""
+
+    name = "search"
+
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        depth: int = 2,
+        grid: int = 2,
+        overlap: float = 0.25,
+        min_region: int | None = None,
+        answer_prompt: str = "deepeyes",
+        max_new_tokens: int = 64,
+        min_box: int = 28,
+    ) -> None:
+        if answer_prompt not in ("deepeyes", "small"):
+            raise ValueError("answer_prompt must be 'deepeyes' or 'small'")
+        if depth < 0 or grid < 1 or not 0 <= overlap < 1:
+            raise ValueError("need depth >= 0, grid >= 1 and 0 <= overlap < 1")
+        self.backend = backend
+        self.depth, self.grid, self.overlap = depth, grid, overlap
+        self.answer_prompt = answer_prompt
+        self.max_new_tokens = max_new_tokens
+        self.min_box = min_box
+        max_pixels = getattr(backend, "max_pixels", 16384 * 28 * 28)
+        # A region no larger than this is already shown at native resolution: zooming is useless.
+        self.min_region = min_region if min_region is not None else int(math.sqrt(max_pixels))
+
+    # ---- geometry ---------------------------------------------------------------------------
+    def _model_box(self, loop: _Loop, box: Sequence[float]) -> list[int]:
+        """Original-pixel box -> the model's box convention on the original image's view."""
+        v = loop.view
+        if self.backend.box_coords == "relative1000":
+            sx, sy = 1000.0 / v.orig_w, 1000.0 / v.orig_h
+        else:
+            sx, sy = 1.0 / v.scale_x, 1.0 / v.scale_y
+        x1, y1, x2, y2 = box
+        return [math.floor(x1 * sx), math.floor(y1 * sy), math.ceil(x2 * sx), math.ceil(y2 * sy)]
+
+    def _crop(
+        self, loop: _Loop, model_box: list[int]
+    ) -> tuple[Image.Image, tuple[int, int, int, int]]:
+        b = self.backend
+        factor = getattr(b, "factor", 28)
+        crop, _, box = zoom_crop(
+            loop.image,
+            loop.view,
+            model_box,
+            coords=b.box_coords,
+            factor=factor,
+            min_pixels=getattr(b, "min_pixels", 4 * factor * factor),
+            max_pixels=getattr(b, "max_pixels", 16384 * factor * factor),
+            min_size=self.min_box,
+        )
+        return crop, box
+
+    def _can_zoom(self, loop: _Loop) -> bool:
+        x1, y1, x2, y2 = loop.region
+        return loop.depth < self.depth and max(x2 - x1, y2 - y1) > self.min_region
+
+    # ---- scoring ------------------------------------------------------------------------------
+    def _p_yes(self, batch: list[Messages]) -> np.ndarray:
+        probs = getattr(self.backend, "next_token_probs", None)
+        if probs is None:
+            raise BackendError(
+                f"{type(self.backend).__name__} cannot score regions (no next_token_probs)"
+            )
+        p = np.asarray(probs(batch, ["yes", "no"]), dtype=np.float64)
+        return p[:, 0] / np.maximum(p[:, 0] + p[:, 1], 1e-30)
+
+    def _search_step(self, loops: list[_Loop]) -> None:
+        cells: list[tuple[_Loop, list[int], Image.Image, tuple[int, int, int, int]]] = []
+        for lp in loops:
+            for c in grid_boxes(lp.region, self.grid, self.overlap):
+                mb = self._model_box(lp, c)
+                try:
+                    crop, box = self._crop(lp, mb)
+                except BoxError as e:
+                    lp.outcome.invalid_tool_calls += 1
+                    lp.outcome.trace.append({"type": "tool_error", "error": str(e)})
+                    continue
+                cells.append((lp, mb, crop, box))
+        scores = (
+            self._p_yes([prompts.small_messages(crop, lp.scorer) for lp, _, crop, _ in cells])
+            if cells
+            else np.zeros(0)
+        )
+        for lp in loops:
+            mine = [(s, c) for s, c in zip(scores.tolist(), cells, strict=True) if c[0] is lp]
+            if not mine:
+                lp.searching = False
+                continue
+            best_s, (_, mb, crop, box) = max(mine, key=lambda t: t[0])
+            lp.outcome.tool_calls += 1
+            lp.outcome.trace.append(
+                {
+                    "type": "zoom",
+                    "bbox_2d": mb,
+                    "label": lp.label,
+                    "crop_box": list(box),
+                    "crop_size": [crop.width, crop.height],
+                    "depth": lp.depth + 1,
+                    "score": round(float(best_s), 6),
+                    "candidates": [
+                        {"bbox_2d": c[1], "crop_box": list(c[3]), "score": round(float(s), 6)}
+                        for s, c in mine
+                    ],
+                }
+            )
+            lp.depth += 1
+            lp.region = tuple(float(v) for v in box)  # type: ignore[assignment]
+            lp.crop = crop
+            args = {"bbox_2d": mb, "label": lp.label}
+            lp.call_text = (
+                "<tool_call>\n"
+                + json.dumps({"name": prompts.ZOOM_TOOL_NAME, "arguments": args})
+                + "\n</tool_call>"
+            )
+            lp.searching = self._can_zoom(lp)
+
+    # ---- answering ---------------------------------------------------------------------------
+    def _answer_messages(self, lp: _Loop) -> Messages:
+        q = lp.query
+        if self.answer_prompt == "small":
+            return prompts.small_messages(
+                lp.crop if lp.crop is not None else lp.image, q.question, q.options
+            )
+        msgs = prompts.deepeyes_messages(lp.image, q.question, q.options)
+        if lp.crop is not None:
+            msgs = [
+                *msgs,
+                {"role": "assistant", "content": lp.call_text},
+                prompts.deepeyes_tool_response(lp.crop),
+            ]
+        return msgs
+
+    def _answer_step(self, loops: list[_Loop]) -> None:
+        batch = [self._answer_messages(lp) for lp in loops]
+        if self.answer_prompt == "small":
+            texts = [a.text for a in self.backend.answer(batch)]
+            for lp, text in zip(loops, texts, strict=True):
+                lp.outcome.answer = text
+                lp.outcome.turns += 1
+                lp.outcome.trace.append({"type": "assistant", "text": text, "finish": "stop"})
+                lp.done = True
+            return
+        turns = self.backend.chat(
+            batch, stop=prompts.DEEPEYES_STOP, max_new_tokens=self.max_new_tokens
+        )
+        for lp, turn in zip(loops, turns, strict=True):
+            out = lp.outcome
+            out.turns += 1
+            out.trace.append({"type": "assistant", "text": turn.text, "finish": turn.finish_reason})
+            ans = last_answer(turn.text)
+            if ans is None:
+                ans = fallback_answer(turn.text.split("<tool_call>")[0])
+                out.trace.append({"type": "format_error", "error": "no <answer>"})
+            out.answer, lp.done = ans, True
+
+    # ---- incremental API ---------------------------------------------------------------------
+    def start_loop(self, query: Query) -> _Loop:
+        """Open a loop for ``query``; raises ImageError/ValueError for an unusable image."""
+        image = load_image(query.image, copy=False)
+        loop = _Loop(
+            query=query,
+            image=image,
+            view=self.backend.view_of(image),
+            scorer=score_question(query.question),
+            label=target_phrase(query.question) or query.question.strip(),
+            region=(0.0, 0.0, float(image.width), float(image.height)),
+        )
+        loop.searching = self._can_zoom(loop)
+        return loop
+
+    def advance(self, loops: Sequence[_Loop]) -> None:
+        """One search step (one batched scoring call) and/or the answer (one batched call)."""
+        active = [lp for lp in loops if not lp.done]
+        if not active:
+            return
+        try:
+            searching = [lp for lp in active if lp.searching]
+            if searching:
+                self._search_step(searching)
+            answering = [lp for lp in active if not lp.searching]
+            if answering:
+                self._answer_step(answering)
+        except BackendError as e:
+            for lp in active:
+                if not lp.done:
+                    lp.outcome.error, lp.done = str(e), True
+        for lp in active:
+            if lp.done:
+                lp.outcome.trace.append(
+                    {"type": "end", "seconds": round(time.perf_counter() - lp.started, 6)}
+                )
