@@ -249,6 +249,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         limit=args.limit,
         resume=args.resume,
         retry_errors=args.retry_errors,
+        llm_judge=args.llm_judge,
+        llm_judge_model=args.llm_judge_model,
         models={"small": args.small, "large": args.large},
         loader_kw=loader_kw,
     )
@@ -436,6 +438,13 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--seed", type=int, default=0, help="V*: option shuffle seed")
     ev.add_argument("--split", default=None, help="POPE: adversarial | popular | random")
     ev.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ev.add_argument(
+        "--llm-judge",
+        default=None,
+        help="OpenAI-compatible URL of a model that judges free-form answers without an exact "
+        "match (off by default; multiple choice and yes/no are always parsed by rule)",
+    )
+    ev.add_argument("--llm-judge-model", default=None, help="model name at --llm-judge")
     add_model_args(ev)
     add_funnel_args(ev)
     ev.set_defaults(func=cmd_eval)

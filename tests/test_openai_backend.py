@@ -583,3 +583,23 @@ def test_continued_assistant_turn_asks_the_server_to_continue():
     assert seen[0][1] is None
     assert seen[1][1] == {"continue_final_message": True, "add_generation_prompt": False}
     assert seen[1][0] == {"role": "assistant", "content": "<code>x</code>"}
+
+
+def test_llm_judge_over_a_real_server(q25_url):
+    """The judge is asked only about free-form answers without an exact match."""
+    from speceyes.bench.llm_judge import LLMJudge, make_scorer
+    from speceyes.types import Query
+
+    judge = LLMJudge(q25_url)
+    score = make_scorer(judge)
+    free = Query(id="f", image=None, question="What is written on the sign?", answer="stop")
+    assert score(free, "Stop.") is True and judge.calls == 0  # exact after normalising
+    verdict = score(free, "it says halt")
+    assert isinstance(verdict, bool) and judge.calls == 1
+    assert score(free, "it says halt") is verdict and judge.calls == 1  # cached
+    mc = Query(id="m", image=None, question="Color?", options=["red", "blue"], answer="A")
+    assert score(mc, "blue") is False and judge.calls == 1  # rules decide multiple choice
+    yn = Query(id="y", image=None, question="Is there a cat?", answer="yes")
+    assert score(yn, "no") is False and judge.calls == 1
+    assert make_scorer(None)(free, "it says halt") is False
+    judge.close()

@@ -12,7 +12,7 @@ import json
 import os
 import platform
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +42,8 @@ class EvalSpec:
     limit: int | None = None
     resume: bool = False
     retry_errors: bool = False  # on resume, redo logged queries that ended in an error
+    llm_judge: str | None = None  # OpenAI-compatible URL judging free-form answers (off: None)
+    llm_judge_model: str | None = None
     models: dict[str, str | None] = field(default_factory=dict)
     loader_kw: dict[str, Any] = field(default_factory=dict)
 
@@ -53,10 +55,12 @@ def _topk_list(topk: np.ndarray | None) -> list[list[float]] | None:
     return [[float(f"{v:.6g}") for v in row] for row in np.asarray(topk, dtype=np.float32)]
 
 
-def sample_record(q: Query, r: Result, mode: str) -> dict[str, Any]:
+def sample_record(
+    q: Query, r: Result, mode: str, score: Callable[[Query, str | None], bool] = scoring.is_correct
+) -> dict[str, Any]:
     """The logged line for one query (the format `regate`, `calibrate` and `report` read)."""
-    small_correct = None if r.small_answer is None else scoring.is_correct(q, r.small_answer)
-    agent_correct = None if r.agent_answer is None else scoring.is_correct(q, r.agent_answer)
+    small_correct = None if r.small_answer is None else score(q, r.small_answer)
+    agent_correct = None if r.agent_answer is None else score(q, r.agent_answer)
     used_agent = r.route not in ("small", "small_only")
     error = r.error if (r.route == "error" or (used_agent and r.error)) else None
     return {
@@ -77,7 +81,7 @@ def sample_record(q: Query, r: Result, mode: str) -> dict[str, Any]:
         "agent_answer": r.agent_answer,
         "agent_correct": agent_correct,
         "prediction": r.answer,
-        "correct": error is None and scoring.is_correct(q, r.answer),
+        "correct": error is None and score(q, r.answer),
         "tool_calls": r.tool_calls,
         "invalid_tool_calls": r.invalid_tool_calls,
         "timings": {k: round(v, 6) for k, v in r.timings.items()},
@@ -233,6 +237,16 @@ def run_eval(
             qmap[q.id] = q
             yield q
 
+    judge = None
+    if spec.llm_judge:
+        from speceyes.bench.llm_judge import LLMJudge
+
+        judge = LLMJudge(spec.llm_judge, spec.llm_judge_model)
+        config["llm_judge"] = {"url": spec.llm_judge, "model": judge.model}
+    from speceyes.bench.llm_judge import make_scorer
+
+    score = make_scorer(judge)
+
     t0 = time.perf_counter()
     # The segment is kept current in run.json as the run goes, so a killed run's time still counts.
     segment = {"started": time.time(), "seconds": 0.0, "queries": 0}
@@ -243,7 +257,7 @@ def run_eval(
         with samples_path.open("a", encoding="utf-8") as f:
             for r in funnel.iter_results(remember(todo)):
                 q = qmap.pop(r.id)
-                rec = sample_record(q, r, funnel.config.mode)
+                rec = sample_record(q, r, funnel.config.mode, score)
                 f.write(json.dumps(rec, default=_json_default) + "\n")
                 f.flush()
                 records.append(rec)
