@@ -131,6 +131,9 @@ def _aggregate(
             ordered = np.sort(np.where(mask, s, np.inf), axis=1)
             take = np.arange(tmax)[None, :] < m[:, None]
             aggregate = np.where(take, ordered, 0.0).sum(axis=1) / m
+            # Sorting moves NaN (a token with fewer than K logprobs) past the lowest scores;
+            # such an answer must stay unscorable, as it is under min and mean.
+            aggregate[np.isnan(np.where(mask, s, 0.0)).any(axis=1)] = np.nan
         conf = confidence_from_aggregate(aggregate, alpha)
     return conf
 

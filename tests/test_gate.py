@@ -106,3 +106,12 @@ def test_accept_is_strict_and_rejects_missing():
     assert not gate.accept(None, 0.5)
     # tau 0.98 means aggregate > 6.49 (DESIGN.md)
     assert gate.confidence_from_aggregate(6.50) > 0.98 > gate.confidence_from_aggregate(6.48)
+
+
+def test_missing_logprobs_make_an_answer_unscorable_under_every_aggregation():
+    rng = np.random.default_rng(6)
+    values = rng.normal(size=(6, 64))
+    values[2, 40:] = -np.inf  # a server returned only 40 of the 64 requested logprobs
+    for agg in ("min", "mean", "bottom"):
+        assert np.isnan(gate.batch_confidence([values], agg=agg)[0])
+        assert not gate.accept(gate.batch_confidence([values], agg=agg)[0], 0.0)
