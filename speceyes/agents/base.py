@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from speceyes.backends.base import BackendError
+
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _THINK_END = "</think>"
 
@@ -49,6 +51,17 @@ class LoopAgent:
 
     def advance(self, loops: Sequence[Any]) -> None:  # pragma: no cover
         raise NotImplementedError
+
+    def _turns(self, backend: Any, active: Sequence[Any], stop: Sequence[str]) -> list | None:
+        """One batched turn for ``active``; a backend failure ends those loops with its message."""
+        try:
+            return backend.chat(
+                [lp.messages for lp in active], stop=stop, max_new_tokens=self.max_new_tokens
+            )
+        except BackendError as e:
+            for lp in active:
+                lp.outcome.error, lp.done = str(e), True
+            return None
 
     def run(self, queries: Sequence[Any], max_active: int | None = None) -> list[AgentOutcome]:
         """Run every query's loop to its end.

@@ -43,7 +43,7 @@ from PIL import Image
 from speceyes import prompts
 from speceyes.agents.base import AgentOutcome, LoopAgent, fallback_answer, last_answer
 from speceyes.agents.sandbox import DEFAULT_ALLOWED_MODULES, Sandbox, SandboxResult
-from speceyes.backends.base import Backend, BackendError, Messages
+from speceyes.backends.base import Backend, Messages
 from speceyes.images import MAX_RATIO, ImageError, load_image, resize_for_model
 from speceyes.types import Query
 
@@ -564,16 +564,8 @@ class CodeAgent(LoopAgent):
         active = [lp for lp in loops if not lp.done]
         if not active:
             return
-        try:
-            turns = self.backend.chat(
-                [lp.messages for lp in active],
-                stop=prompts.THYME_STOP,
-                max_new_tokens=self.max_new_tokens,
-            )
-        except BackendError as e:
-            for lp in active:
-                lp.outcome.error, lp.done = str(e), True
-        else:
+        turns = self._turns(self.backend, active, prompts.THYME_STOP)
+        if turns is not None:
             jobs = []
             for lp, turn in zip(active, turns, strict=True):
                 job = self._step(lp, turn.text, turn.finish_reason)

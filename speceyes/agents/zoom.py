@@ -18,7 +18,7 @@ from PIL import Image
 
 from speceyes import prompts
 from speceyes.agents.base import AgentOutcome, LoopAgent, fallback_answer, last_answer
-from speceyes.backends.base import Backend, BackendError, Messages
+from speceyes.backends.base import Backend, Messages
 from speceyes.images import BoxError, View, load_image, zoom_crop
 from speceyes.types import Query
 
@@ -173,15 +173,8 @@ class ZoomAgent(LoopAgent):
         active = [lp for lp in loops if not lp.done]
         if not active:
             return
-        try:
-            turns = self.backend.chat(
-                [lp.messages for lp in active],
-                stop=prompts.DEEPEYES_STOP,
-                max_new_tokens=self.max_new_tokens,
-            )
-        except BackendError as e:
-            for lp in active:
-                lp.outcome.error, lp.done = str(e), True
+        turns = self._turns(self.backend, active, prompts.DEEPEYES_STOP)
+        if turns is None:
             return
         for lp, turn in zip(active, turns, strict=True):
             self._step(lp, turn.text, turn.finish_reason)
