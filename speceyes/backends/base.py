@@ -58,6 +58,23 @@ class Backend(Protocol):
         ...
 
 
+def answer_token_ids(tokenizer: Any) -> tuple[list[int], list[int]]:
+    """First-token ids of the yes and the no variants; an id in both counts for neither."""
+
+    def first_ids(words: Sequence[str]) -> set[int]:
+        out = set()
+        for w in words:
+            ids = tokenizer.encode(w, add_special_tokens=False)
+            # Only a first token that itself starts the word counts (not a bare space).
+            if ids and tokenizer.decode(ids[:1]).strip():
+                out.add(ids[0])
+        return out
+
+    yes, no = first_ids(YES_VARIANTS), first_ids(NO_VARIANTS)
+    shared = yes & no
+    return sorted(yes - shared), sorted(no - shared)
+
+
 def cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, str | None]:
     """Truncate ``text`` after the earliest stop string (kept, as the model wrote it)."""
     best: tuple[int, str] | None = None

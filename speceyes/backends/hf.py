@@ -20,11 +20,10 @@ import numpy as np
 
 from speceyes.backends.base import (
     FAMILIES,
-    NO_VARIANTS,
-    YES_VARIANTS,
     BackendError,
     JudgeMode,
     Messages,
+    answer_token_ids,
     cut_at_stop,
     decode_rule_p_tool,
 )
@@ -127,7 +126,7 @@ class HFBackend:
         self.image_token = "<|image_pad|>"
         self.image_token_id = tok.convert_tokens_to_ids(self.image_token)
         self.eos_ids = self._eos_ids()
-        self.yes_ids, self.no_ids = self._answer_token_ids()
+        self.yes_ids, self.no_ids = answer_token_ids(self.tokenizer)
         # Generation is not re-entrant on one model; concurrent callers queue here.
         self._lock = threading.Lock()
 
@@ -146,20 +145,6 @@ class HFBackend:
         elif extra:
             ids.update(extra)
         return {i for i in ids if isinstance(i, int) and i >= 0}
-
-    def _answer_token_ids(self) -> tuple[list[int], list[int]]:
-        def first_ids(words: Sequence[str]) -> set[int]:
-            out = set()
-            for w in words:
-                ids = self.tokenizer.encode(w, add_special_tokens=False)
-                # Only a first token that itself starts the word counts (not a bare space).
-                if ids and self.tokenizer.decode(ids[:1]).strip():
-                    out.add(ids[0])
-            return out
-
-        yes, no = first_ids(YES_VARIANTS), first_ids(NO_VARIANTS)
-        shared = yes & no
-        return sorted(yes - shared), sorted(no - shared)
 
     def _prepare(self, batch: Sequence[Messages], add_generation_prompt: bool = True):
         torch = self._torch

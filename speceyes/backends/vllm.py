@@ -17,11 +17,10 @@ import numpy as np
 
 from speceyes.backends.base import (
     FAMILIES,
-    NO_VARIANTS,
-    YES_VARIANTS,
     BackendError,
     JudgeMode,
     Messages,
+    answer_token_ids,
     cut_at_stop,
     decode_rule_p_tool,
 )
@@ -72,9 +71,8 @@ class VLLMBackend:
         )
         tok = self.llm.get_tokenizer()
         self.tokenizer = tok
-        self.yes_ids = _first_ids(tok, YES_VARIANTS)
-        self.no_ids = _first_ids(tok, NO_VARIANTS) - self.yes_ids
-        self.yes_ids -= self.no_ids
+        yes, no = answer_token_ids(tok)
+        self.yes_ids, self.no_ids = set(yes), set(no)
 
     def view_of(self, image: Any) -> View:
         img = load_image(image)
@@ -182,11 +180,3 @@ class VLLMBackend:
             turns.append(ChatTurn(text=text, finish_reason=finish, stop=which, tokens=len(c.token_ids)))
         return turns
 
-
-def _first_ids(tokenizer, words: Sequence[str]) -> set[int]:
-    out = set()
-    for w in words:
-        ids = tokenizer.encode(w, add_special_tokens=False)
-        if ids and tokenizer.decode(ids[:1]).strip():
-            out.add(ids[0])
-    return out
