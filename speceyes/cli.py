@@ -353,9 +353,13 @@ def cmd_miniworld(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from speceyes.demo import run_demo
+    if args.random_tiny:
+        from speceyes.demo import run_demo
 
-    return run_demo(args)
+        return run_demo(args)
+    from speceyes.miniworld.demo import run as run_miniworld_demo
+
+    return run_miniworld_demo(args)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -401,6 +405,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from speceyes.miniworld.demo import EPILOG as DEMO_EPILOG
+    from speceyes.miniworld.demo import add_args as add_demo_args
+
     p = argparse.ArgumentParser(
         prog="speceyes",
         description="Speculative perception and planning for agentic VLMs: a small model answers "
@@ -495,10 +502,33 @@ def build_parser() -> argparse.ArgumentParser:
     mw.set_defaults(func=cmd_miniworld)
 
     demo = sub.add_parser(
-        "demo", help="offline end-to-end run on tiny locally built models (no download)"
+        "demo",
+        help="the mini-world benchmark on the two bundled trained models: agent-only, "
+        "small-only and SpecEyes side by side (offline)",
+        description="Generates (or reuses) a mini-world test split in OUT/data, splits it by "
+        "target size, and runs agent-only, small-only and SpecEyes on each size split back to "
+        "back through the evaluation harness (run folders OUT/runs/{small,large}-targets/MODE "
+        "with samples.jsonl, results.json and plots/, readable by speceyes report and regate). "
+        "Prints a table per split and pooled (accuracy, seconds per query, speedup over "
+        "agent-only, beta, alpha, the analytic speedup L_agent / (c_J + beta*c_S + "
+        "(1 - beta*alpha)*L_agent) from the measured per-phase costs, and the measured share of "
+        "it) plus accuracy per question category, and writes OUT/summary.md and summary.json. "
+        "Settings (canvas, tau, aggregation, agent, test split) come from MODELS/manifest.json. "
+        "Re-running resumes runs made with the same settings; runs made with other settings are "
+        "moved aside, never deleted. --random-tiny runs the older demo instead: random-weight "
+        "tiny models built locally, showing every phase and route (answers are noise).",
+        epilog=DEMO_EPILOG,
     )
-    demo.add_argument("--cache", default=None, help="where the tiny models are built")
-    demo.add_argument("--n", type=int, default=6, help="number of demo questions")
+    add_demo_args(demo)
+    tiny = demo.add_argument_group("--random-tiny (untrained end-to-end demo)")
+    tiny.add_argument(
+        "--random-tiny",
+        action="store_true",
+        help="run the untrained demo: tiny random-weight Qwen models built locally, a few "
+        "generated questions, every phase and route shown (answers are noise)",
+    )
+    tiny.add_argument("--cache", default=None, help="where the tiny models are built")
+    tiny.add_argument("--n", type=int, default=6, help="number of demo questions")
     demo.set_defaults(func=cmd_demo)
 
     srv = sub.add_parser(

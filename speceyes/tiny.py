@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -78,8 +79,14 @@ def _corpus() -> list[str]:
     return texts * 20
 
 
-def build_tokenizer(out_dir: Path, vocab_size: int = 600):
-    """Train a byte-level BPE offline and wrap it as a Qwen-style fast tokenizer."""
+def build_tokenizer(
+    out_dir: Path, vocab_size: int = 600, extra_corpus: Sequence[str] = ()
+):
+    """Train a byte-level BPE offline and wrap it as a Qwen-style fast tokenizer.
+
+    ``extra_corpus`` adds domain text (e.g. the mini world's questions) so that its words become
+    single tokens, as they would be in a real vocabulary.
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -92,7 +99,7 @@ def build_tokenizer(out_dir: Path, vocab_size: int = 600):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_corpus(), trainer=trainer)
+    tok.train_from_iterator([*_corpus(), *extra_corpus], trainer=trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",
@@ -254,6 +261,8 @@ def build_tiny_model(
     lm_head_scale: float = 1.0,
     silent: bool = False,
     vocab: Vocab = "tiny",
+    extra_corpus: Sequence[str] = (),
+    vocab_size: int = 600,
 ) -> Path:
     """Write a tiny random checkpoint of ``family`` to ``out_dir`` and return the folder.
 
@@ -273,7 +282,7 @@ def build_tiny_model(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if vocab == "tiny":
-        tokenizer = build_tokenizer(out)
+        tokenizer = build_tokenizer(out, vocab_size, extra_corpus)
     elif vocab == "qwen":
         tokenizer = build_qwen_tokenizer(out, family)
     else:

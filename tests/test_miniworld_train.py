@@ -64,17 +64,55 @@ def test_stages_run_save_and_resume(tmp_path):
     be = T.load_backend(dest)
     assert be.family == "qwen3_vl" and be.max_pixels == T.VIEW_PIXELS["small"]
 
+    # The bundle: both roles in bfloat16 plus the demo's manifest, loadable by the demo.
+    from speceyes.miniworld.demo import find_models, load_settings
+
+    settings = tmp_path / "settings.json"
+    settings.write_text(json.dumps({"tau": 0.8, "agent": {"kind": "search", "depth": 2}}))
+    rc = T.main(
+        [
+            *("--stage", "bundle", "--small-dir", str(small), "--large-dir", str(small)),
+            *("--dest", str(tmp_path / "models"), "--settings", str(settings)),
+        ]
+    )
+    assert rc == 0
+    found = find_models(tmp_path / "models")
+    cfg = json.loads((found["large"] / "config.json").read_text())
+    assert cfg.get("dtype", cfg.get("torch_dtype")) == "bfloat16"
+    man = load_settings(tmp_path / "models" / "manifest.json")
+    assert man.tau == 0.8 and man.agent.depth == 2 and list(man.canvas) == list(T.CANVAS)
+    assert man.extra["trained_steps"] == {"small": 2, "large": 2}
+    assert T.load_backend(found["small"]).answer  # loads through HFBackend
+
 
 def test_large_role_trains_judge_and_zoom_turns(tmp_path):
     _run(
-        tmp_path, "--role", "large", "--stage", "B", "--scenes", "2", "--max-steps", "1", "--boxes"
+        tmp_path,
+        *("--role", "large", "--stage", "B", "--scenes", "2", "--max-steps", "1"),
+        *("--deepeyes", "--boxes"),
     )
     log = _log(tmp_path / "large")
     data = next(r for r in log if r.get("event") == "data")
-    # Per question: a judge example, plus the answer turn(s); small targets add a tool call.
-    assert data["examples"] > data["questions"] * 2
     rec = next(r for r in log if r.get("stage") == "B" and "loss" in r)
-    assert math.isfinite(rec["loss"])
+    assert math.isfinite(rec["loss"]) and math.isfinite(rec["aux"])
+    # Per scene question: the small prompt on the view, the judge, a DeepEyes answer; zoom
+    # crops add the small prompt on the crop and the tool call, and the answer moves after it.
+    be = T.load_backend(tmp_path / "large" / "base")
+    rows = T.make_questions("train", 0, 2, be, crops=True)
+    scene_q = [r for r in rows if r["category"] != "zoom"]
+    with_crop = [r for r in scene_q if r.get("crop") is not None]
+    zoom = len(rows) - len(scene_q)
+    assert with_crop and zoom
+    assert data["examples"] == 3 * len(scene_q) + 2 * len(with_crop) + zoom
+    judge = [
+        e
+        for r in scene_q
+        for e in T.examples_for(r, "large", False)
+        if "tools" in e[0][0]["content"] and "reliab" in e[0][0]["content"]
+    ]
+    assert [e[1] for e in judge] == [
+        "yes" if r["target_size"] == "small" else "no" for r in scene_q
+    ]
 
 
 def test_answer_labels_cover_only_the_answer(tmp_path):
@@ -83,6 +121,73 @@ def test_answer_labels_cover_only_the_answer(tmp_path):
     rows = T.make_questions("train", 0, 1, be, crops=False)
     pairs = [p for r in rows[:2] for p in T.examples_for(r, "small", False)]
     inputs = T.batch_inputs(be, pairs)
-    for b, (_, ans) in enumerate(pairs):
+    for b, (_, ans, _) in enumerate(pairs):
         lab = [t for t in inputs["labels"][b].tolist() if t != -100]
         assert be.tokenizer.decode(lab) == ans + "<|im_end|>"
+    # Answers are words (the option's text), never a letter; each one a single token.
+    assert {p[1] for p in pairs} <= {*T.COLORS_AND_SHAPES, "left", "right", "yes", "no"}
+    for word in (*T.COLORS_AND_SHAPES, "yes", "no", "left", "right"):
+        assert len(be.tokenizer(word, add_special_tokens=False)["input_ids"]) == 1
+
+
+def test_token_labels_mark_the_cells_under_each_object():
+    import torch
+
+    grid = torch.tensor([[1, 8, 8]])  # 4 x 4 merged tokens of 28 px
+    # A red (0) circle (0) over cells (0..1, 0..1); a tiny blue (2) triangle (2) in cell (3, 3).
+    lay = [(0, 0, 56, 56, 0, 0), (90, 90, 100, 100, 2, 2)]
+    yc, ys = T.token_labels([lay], grid, 28)
+    yc, ys = yc.view(4, 4), ys.view(4, 4)
+    assert yc[:2, :2].eq(0).all() and ys[:2, :2].eq(0).all()
+    assert yc[3, 3] == 2 and ys[3, 3] == 2  # half of a small object counts
+    assert yc.eq(8).sum() == 16 - 5 and ys.eq(3).sum() == 16 - 5
+
+
+def test_zoom_questions_answer_from_what_the_crop_shows(tmp_path):
+    import random
+
+    from speceyes.miniworld.scenes import generate_scene, load_pool, scene_rng
+
+    be = T.load_backend(T.build_base(tmp_path, "small", T.TINY, 0))
+    pool = load_pool("train")
+    n = 0
+    for i in range(4):
+        scene = generate_scene(scene_rng("train", 0, i), pool, canvas=T.CANVAS, regime="small")
+        for r in T.zoom_questions(scene, random.Random(i), be, n_crops=3):
+            assert r["view"].size == (224, 224)
+            shown = [
+                o for o in r["objs"] if o[0] >= -1 and o[1] >= -1 and o[2] <= 225 and o[3] <= 225
+            ]
+            q, a = r["question"], r["answer_text"]
+            if q.startswith("Is there a ") and a == "yes":
+                words = q[len("Is there a ") : -len(" in the image?")].split()
+                ok = [
+                    o
+                    for o in r["objs"]
+                    if all(w in ("object", T.name_of(o)[0], T.name_of(o)[1]) for w in words)
+                ]
+                assert ok, q  # the object asked about is in the crop's layout
+            if q.startswith("What shape is the "):
+                color = q.split()[4]
+                assert [T.name_of(o)[1] for o in shown if T.name_of(o)[0] == color] == [a]
+            n += 1
+    assert n > 20
+
+
+def test_packed_conversations_label_every_answer(tmp_path):
+    import random
+
+    be = T.load_backend(T.build_base(tmp_path, "small", T.TINY, 0))
+    rows = T.make_questions("train", 0, 1, be, crops=True)
+    examples = [e for r in rows for e in T.examples_for(r, "small", False)]
+    packed = T.pack_examples(examples, 4, random.Random(0))
+    # Every question is kept exactly once, at most 4 per conversation, one image each.
+    assert sum(1 + sum(m["role"] == "assistant" for m in p[0]) for p in packed) == len(examples)
+    inputs = T.batch_inputs(be, packed)
+    for b, p in enumerate(packed):
+        answers = [m["content"] for m in p[0] if m["role"] == "assistant"] + [p[1]]
+        assert len(answers) <= 4
+        images = [c for m in p[0] if isinstance(m["content"], list) for c in m["content"]]
+        assert sum(c["type"] == "image" for c in images) == 1
+        lab = [t for t in inputs["labels"][b].tolist() if t != -100]
+        assert be.tokenizer.decode(lab) == "".join(a + "<|im_end|>" for a in answers)

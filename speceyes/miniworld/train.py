@@ -44,6 +44,7 @@ import numpy as np
 from PIL import Image
 
 from speceyes import prompts
+from speceyes.miniworld.scenes import COLORS, SHAPES
 
 ROLES = ("small", "large")
 # Small = Qwen3-VL (the SpecEyes small model is Qwen3-VL-2B; its 16-px patches and full vision
@@ -77,6 +78,23 @@ def _log(out: Path, rec: dict[str, Any]) -> None:
 # ------------------------------------------------------------------------------------ model
 
 
+def domain_corpus() -> list[str]:
+    """Mini-world text for the tokenizer, so colour, shape and answer words are single tokens
+    (with and without a leading space), as they are in a real vocabulary."""
+    from speceyes.miniworld.scenes import COLORS, SHAPES
+
+    words = [*COLORS, *SHAPES, "left", "right", "yes", "no"]
+    lines = [
+        "What shape is the red object? What is the color of the triangle? Is there a green "
+        "circle in the image? Is the red circle on the left or the right side of the blue "
+        "triangle?",
+        " ".join(words),
+        "\n".join(words),
+        " ".join(f"<answer>{w}</answer>" for w in words),
+    ]
+    return lines * 60
+
+
 def build_base(
     role_dir: Path, role: str, size: ModelSize, seed: int, family: str | None = None
 ) -> Path:
@@ -94,6 +112,8 @@ def build_base(
         vision_hidden=size.vision_hidden,
         vision_depth=size.vision_depth,
         seed=seed,
+        extra_corpus=domain_corpus(),
+        vocab_size=720,
     )
     # The view budget lives in the image processor config, as in a real checkpoint.
     cfg_path = base / "preprocessor_config.json"
@@ -212,21 +232,68 @@ def view_size(backend) -> tuple[int, int]:
     return w, h
 
 
-def zoom_crop_of(image: Image.Image, bbox: Sequence[int], backend) -> Image.Image:
-    """The mini-world zoom: a square crop of 4x the target's side around it, at the view budget."""
-    from speceyes.images import resize_for_model
-
+def zoom_box(size: tuple[int, int], bbox: Sequence[int]) -> tuple[int, int, int, int]:
+    """The mini-world zoom: a square of 4x the target's side around it, inside the image."""
     x1, y1, x2, y2 = bbox
     side = max(x2 - x1, y2 - y1) * 4
     cx, cy = (x1 + x2) / 2, (y1 + y2) / 2
-    left = int(min(max(cx - side / 2, 0), image.width - side))
-    top = int(min(max(cy - side / 2, 0), image.height - side))
-    crop = image.crop((left, top, left + side, top + side))
+    left = int(min(max(cx - side / 2, 0), size[0] - side))
+    top = int(min(max(cy - side / 2, 0), size[1] - side))
+    return left, top, left + side, top + side
+
+
+def zoom_crop_of(image: Image.Image, bbox: Sequence[int], backend) -> Image.Image:
+    """The zoom crop at the view budget."""
+    from speceyes.images import resize_for_model
+
+    crop = image.crop(zoom_box(image.size, bbox))
     return resize_for_model(crop, backend.factor, backend.max_pixels, backend.max_pixels)[0]
 
 
-def make_questions(split: str, seed: int, n_scenes: int, backend, crops: bool) -> list[dict]:
-    """Scenes rendered on the fly (in memory), kept only as the model's view (+ zoom crops)."""
+COLORS_AND_SHAPES = (*COLORS, *SHAPES)
+
+
+def name_of(obj_layout: Sequence) -> tuple[str, str]:
+    """(colour, shape) of a :func:`layout_in` entry."""
+    return COLORS[obj_layout[4]], SHAPES[obj_layout[5]]
+
+
+def layout_in(objects: Sequence, box: Sequence[int], out_size: tuple[int, int]) -> list[tuple]:
+    """Objects as (x1, y1, x2, y2, colour id, shape id) in the pixels of ``box`` resized to
+    ``out_size`` (for the auxiliary per-token loss)."""
+    from speceyes.miniworld.scenes import COLORS, SHAPES
+
+    sx = out_size[0] / (box[2] - box[0])
+    sy = out_size[1] / (box[3] - box[1])
+    out = []
+    for o in objects:
+        x1, y1, x2, y2 = o.bbox
+        out.append(
+            (
+                (x1 - box[0]) * sx,
+                (y1 - box[1]) * sy,
+                (x2 - box[0]) * sx,
+                (y2 - box[1]) * sy,
+                COLORS.index(o.color),
+                SHAPES.index(o.shape),
+            )
+        )
+    return out
+
+
+def _crop_target(q, objects: Sequence, regime: str, rng: random.Random):
+    """Box to zoom on for a question: its target, else (absent-object questions) a random
+    regime-size object, as a search would land on something."""
+    if q.target_bbox is not None:
+        return q.target_bbox
+    return rng.choice([o for o in objects if o.size == regime]).bbox
+
+
+def make_questions(
+    split: str, seed: int, n_scenes: int, backend, crops: bool, zoom_max: float = 12.0
+) -> list[dict]:
+    """Scenes rendered on the fly (in memory), kept only as the model's view (+ zoom crops of
+    the small-regime questions, relative position excepted: its reference is outside the crop)."""
     from speceyes.images import resize_for_model
     from speceyes.miniworld.scenes import generate_scene, load_pool, scene_rng
 
@@ -239,6 +306,8 @@ def make_questions(split: str, seed: int, n_scenes: int, backend, crops: bool) -
         view = resize_for_model(
             scene.image, backend.factor, backend.min_pixels, backend.max_pixels
         )[0]
+        crop_rng = random.Random(f"crop-{split}-{seed}-{i}")
+        view_objs = layout_in(scene.objects, (0, 0, *scene.image.size), view.size)
         for q in scene.questions:
             row = {
                 "scene": i,
@@ -246,41 +315,153 @@ def make_questions(split: str, seed: int, n_scenes: int, backend, crops: bool) -
                 "question": q.question,
                 "options": q.options,
                 "answer": q.answer,
+                "answer_text": (q.options["ABCDEFGH".index(q.answer)] if q.options else q.answer),
                 "category": q.category,
                 "target_size": q.target_size,
                 "target_bbox": q.target_bbox,
                 "view_box": None,
+                "objs": view_objs,
             }
-            if crops and q.target_bbox is not None and q.target_size == "small":
-                row["crop"] = zoom_crop_of(scene.image, q.target_bbox, backend)
+            if crops and regime == "small" and q.category != "relative_position":
+                box = _crop_target(q, scene.objects, regime, crop_rng)
+                row["crop"] = zoom_crop_of(scene.image, box, backend)
+                zb = zoom_box(scene.image.size, box)
+                row["crop_objs"] = layout_in(scene.objects, zb, row["crop"].size)
                 sx = view.width / CANVAS[0]
                 sy = view.height / CANVAS[1]
-                b = q.target_bbox
                 row["view_box"] = [
-                    round(b[0] * sx),
-                    round(b[1] * sy),
-                    round(b[2] * sx),
-                    round(b[3] * sy),
+                    round(box[0] * sx),
+                    round(box[1] * sy),
+                    round(box[2] * sx),
+                    round(box[3] * sy),
                 ]
             rows.append(row)
+        if crops:
+            rows.extend(zoom_questions(scene, crop_rng, backend, zoom_max=zoom_max))
+    return rows
+
+
+def _inside(obj, box: Sequence[int], min_share: float = 0.6) -> bool:
+    """Whether an object counts as shown in a crop: its centre inside and most of its box."""
+    x1, y1, x2, y2 = obj.bbox
+    ix = max(0, min(x2, box[2]) - max(x1, box[0]))
+    iy = max(0, min(y2, box[3]) - max(y1, box[1]))
+    cx, cy = obj.center
+    centre_in = box[0] <= cx < box[2] and box[1] <= cy < box[3]
+    return centre_in and ix * iy >= min_share * (x2 - x1) * (y2 - y1)
+
+
+def zoom_questions(
+    scene, rng: random.Random, backend, n_crops: int = 2, zoom_max: float = 12.0
+) -> list[dict]:
+    """Questions about random zooms of a scene, answered from what each crop shows.
+
+    A crop is a square around a random object, 2.5-``zoom_max`` times its side (the scales a search passes
+    through, from unreadable dot to readable shape), the object anywhere inside. Questions:
+    existence of a colour-shape pair, a colour, a shape (yes from the crop's objects, no from
+    near misses), and attribute questions when the attribute is unique in the crop. This is
+    what the search agent asks ("Is there a {target} in the image?") and what a zoom answers.
+    """
+    from speceyes.images import resize_for_model
+    from speceyes.miniworld.scenes import ALL_PAIRS, COLORS, SHAPES
+
+    w, h = scene.image.size
+    rows = []
+    for _ in range(n_crops):
+        anchor = rng.choice(scene.objects)
+        side = int(min(min(w, h), max(64, anchor.side * rng.uniform(2.5, zoom_max))))
+        x1, y1, x2, y2 = anchor.bbox
+        left = rng.randint(max(0, x2 - side), max(0, min(x1, w - side)))
+        top = rng.randint(max(0, y2 - side), max(0, min(y1, h - side)))
+        box = (left, top, left + side, top + side)
+        crop = resize_for_model(
+            scene.image.crop(box), backend.factor, backend.max_pixels, backend.max_pixels
+        )[0]
+        shown = [o for o in scene.objects if _inside(o, box)]
+        # Partly shown objects make any answer about them ambiguous: leave their attributes out.
+        partial = [o for o in scene.objects if o not in shown and _inside(o, box, 0.0)]
+        pairs = {(o.color, o.shape) for o in shown}
+        colors, shapes = {c for c, _ in pairs}, {s for _, s in pairs}
+        unclear_c = {o.color for o in partial}
+        unclear_s = {o.shape for o in partial}
+        qs: list[tuple[str, list[str] | None, str]] = []
+        if shown:
+            c, s = rng.choice(sorted(pairs))
+            qs.append((f"Is there a {c} {s} in the image?", None, "yes"))
+            qs.append(
+                (f"Is there a {rng.choice(sorted(colors))} object in the image?", None, "yes")
+            )
+            qs.append((f"Is there a {rng.choice(sorted(shapes))} in the image?", None, "yes"))
+        near = [
+            p
+            for p in ALL_PAIRS
+            if p not in pairs
+            and (p[0] in colors or p[1] in shapes)
+            and p[0] not in unclear_c
+            and p[1] not in unclear_s
+        ]
+        if near:
+            c, s = rng.choice(near)
+            qs.append((f"Is there a {c} {s} in the image?", None, "no"))
+        absent_c = [c for c in COLORS if c not in colors and c not in unclear_c]
+        absent_s = [s for s in SHAPES if s not in shapes and s not in unclear_s]
+        if absent_c:
+            qs.append((f"Is there a {rng.choice(absent_c)} object in the image?", None, "no"))
+        if absent_s:
+            qs.append((f"Is there a {rng.choice(absent_s)} in the image?", None, "no"))
+        for o in shown:
+            if sum(p.color == o.color for p in shown) == 1 and o.color not in unclear_c:
+                opts = list(SHAPES)
+                rng.shuffle(opts)
+                qs.append((f"What shape is the {o.color} object?", opts, o.shape))
+            if sum(p.shape == o.shape for p in shown) == 1 and o.shape not in unclear_s:
+                others = [c for c in COLORS if c != o.color]
+                rng.shuffle(others)
+                opts = [o.color, *others[:3]]
+                rng.shuffle(opts)
+                qs.append((f"What is the color of the {o.shape}?", opts, o.color))
+        for q, opts, ans in qs:
+            rows.append(
+                {
+                    "view": crop,
+                    "question": q,
+                    "options": opts,
+                    "answer_text": ans,
+                    "category": "zoom",
+                    "target_size": anchor.size,
+                    "zoom": round(side / max(1, anchor.side), 2),
+                    "objs": layout_in(scene.objects, box, crop.size),
+                }
+            )
     return rows
 
 
 def answer_text(row: dict) -> str:
-    return row["answer"]
+    """The answer as a word (the option's text, or yes / no): the small prompt asks for "the
+    final answer itself", and scoring accepts an option's text as well as its letter."""
+    return row["answer_text"]
 
 
-def examples_for(row: dict, role: str, boxes: bool) -> list[tuple[list[dict], str]]:
-    """(messages, assistant text) training pairs of one question for a role."""
+Example = tuple[list[dict], str, list]  # messages, assistant text, per-image object layouts
+
+
+def examples_for(row: dict, role: str, boxes: bool, deepeyes: bool = False) -> list[Example]:
+    """Training examples of one question for a role. Small: the small prompt on the view and on
+    the zoom crop. Large: the same, the judge (yes for small targets, no for large) and, with
+    ``deepeyes``, the DeepEyes turns (``<answer>`` on the view, or after the crop returned as
+    the tool response; ``boxes`` adds the ``<tool_call>`` itself)."""
     q, opts, ans = row["question"], row["options"], answer_text(row)
+    if row["category"] == "zoom":  # a question about a random zoom: the small prompt, any role
+        return [(prompts.small_messages(row["view"], q, opts), ans, [row["objs"]])]
+    out: list[Example] = [(prompts.small_messages(row["view"], q, opts), ans, [row["objs"]])]
+    if row.get("crop") is not None:
+        out.append((prompts.small_messages(row["crop"], q, opts), ans, [row["crop_objs"]]))
     if role == "small":
-        return [(prompts.small_messages(row["view"], q, opts), ans)]
-    out = [
-        (
-            prompts.judge_messages(row["view"], q, opts),
-            "yes" if row["target_size"] == "small" else "no",
-        )
-    ]
+        return out
+    judge = "yes" if row["target_size"] == "small" else "no"
+    out.append((prompts.judge_messages(row["view"], q, opts), judge, [row["objs"]]))
+    if not deepeyes:
+        return out
     msgs = prompts.deepeyes_messages(row["view"], q, opts)
     if row.get("crop") is not None:
         call = (
@@ -291,33 +472,100 @@ def examples_for(row: dict, role: str, boxes: bool) -> list[tuple[list[dict], st
             + "\n</tool_call>"
         )
         if boxes:
-            out.append((msgs, call))
+            out.append((msgs, call, [row["objs"]]))
         turn = [
             *msgs,
             {"role": "assistant", "content": call},
             prompts.deepeyes_tool_response(row["crop"]),
         ]
-        out.append((turn, f"<answer>{ans}</answer>"))
+        out.append((turn, f"<answer>{ans}</answer>", [row["objs"], row["crop_objs"]]))
     else:
-        out.append((msgs, f"<answer>{ans}</answer>"))
+        out.append((msgs, f"<answer>{ans}</answer>", [row["objs"]]))
     return out
 
 
-def batch_inputs(backend, pairs: Sequence[tuple[list[dict], str]]):
-    """Model inputs of full conversations with labels on the assistant answer only."""
+def token_labels(layouts: Sequence[list], grids, cell: int):
+    """Per merged vision token: (colour id or 8 = background, shape id or 3 = background) of the
+    object covering most of its ``cell`` x ``cell`` px square (a quarter of the square, or half
+    of a smaller object, counts as covering)."""
     import torch
 
-    convs = [[*m, {"role": "assistant", "content": a}] for m, a in pairs]
+    colors, shapes = [], []
+    for objs, (_, gh, gw) in zip(layouts, grids.tolist(), strict=True):
+        mh, mw = gh // 2, gw // 2
+        c = torch.full((mh, mw), 8, dtype=torch.long)
+        sh = torch.full((mh, mw), 3, dtype=torch.long)
+        best = torch.zeros((mh, mw))
+        for x1, y1, x2, y2, ci, si in objs:
+            area = max(1e-6, (x2 - x1) * (y2 - y1))
+            for r in range(max(0, int(y1 // cell)), min(mh, int(math.ceil(y2 / cell)))):
+                for k in range(max(0, int(x1 // cell)), min(mw, int(math.ceil(x2 / cell)))):
+                    ix = min(x2, (k + 1) * cell) - max(x1, k * cell)
+                    iy = min(y2, (r + 1) * cell) - max(y1, r * cell)
+                    inter = max(0.0, ix) * max(0.0, iy)
+                    share = max(inter / cell**2, 0.5 * inter / area)
+                    if share >= 0.25 and share > best[r, k]:
+                        best[r, k], c[r, k], sh[r, k] = share, ci, si
+        colors.append(c.flatten())
+        shapes.append(sh.flatten())
+    return torch.cat(colors), torch.cat(shapes)
+
+
+def pack_examples(examples: Sequence[Example], max_turns: int, rng: random.Random) -> list:
+    """Several small-prompt questions about the same image as one multi-turn conversation
+    (the image once, then question/answer turns): one image forward teaches several answers.
+    Other examples (judge, DeepEyes) stay single-turn. Packed ones carry a 4th element True."""
+    groups: dict[int, list[Example]] = {}
+    out: list = []
+    for ex in examples:
+        msgs = ex[0]
+        if msgs[0]["content"] == prompts.SMALL_SYSTEM and len(msgs) == 2:
+            groups.setdefault(id(msgs[1]["content"][0]["image"]), []).append(ex)
+        else:
+            out.append(ex)
+    for group in groups.values():
+        rng.shuffle(group)
+        for i in range(0, len(group), max_turns):
+            part = group[i : i + max_turns]
+            msgs = list(part[0][0])
+            for prev, ex in zip(part, part[1:], strict=False):
+                text = ex[0][1]["content"][1]["text"]
+                msgs += [
+                    {"role": "assistant", "content": prev[1]},
+                    {"role": "user", "content": [prompts.text_part(text)]},
+                ]
+            out.append((msgs, part[-1][1], part[0][2], True))
+    return out
+
+
+def batch_inputs(backend, pairs: Sequence[Sequence]):
+    """Model inputs of full conversations with labels on the assistant answers only (the last
+    one, or every one in a packed conversation), each answer with its ``<|im_end|>``."""
+    import torch
+
+    convs = [[*p[0], {"role": "assistant", "content": p[1]}] for p in pairs]
     inputs = backend._prepare(convs, add_generation_prompt=False)
     ids = inputs["input_ids"]
     labels = torch.full_like(ids, -100)
     tok = backend.tokenizer
-    for b, (_, a) in enumerate(pairs):
+    start = tok("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    for b, p in enumerate(pairs):
+        a = p[1]
         tail = tok(a + "<|im_end|>\n", add_special_tokens=False)["input_ids"]
         n = len(tail)
         if ids[b, -n:].tolist() != tail:  # pragma: no cover - template/tokenizer mismatch
             raise RuntimeError("answer tokens not at the end of the sequence")
         labels[b, -n:-1] = ids[b, -n:-1]  # answer tokens and <|im_end|>, not the final newline
+        if len(p) > 3 and p[3]:
+            row = ids[b].tolist()
+            k = len(start)
+            for i in range(len(row) - k):
+                if row[i : i + k] == start:
+                    j = i + k
+                    while j < len(row) and row[j] != end:
+                        j += 1
+                    labels[b, i + k : j + 1] = ids[b, i + k : j + 1]
     inputs["labels"] = labels
     return inputs
 
@@ -472,12 +720,18 @@ def stage_a(args, role_dir: Path, size: ModelSize) -> dict:
     return rec
 
 
-def _load_from_previous(backend, role_dir: Path, stage: str) -> None:
+def _load_from_previous(backend, role_dir: Path, stage: str, init_from: Path | None) -> None:
+    """Start from ``init_from`` (any checkpoint of this size) or the previous stage's. Tensors
+    whose shape differs (an embedding of another vocabulary) keep their fresh initialisation."""
     prev = {"B": "A"}.get(stage)
-    p = role_dir / f"stage_{prev}" / "ckpt.pt" if prev else None
+    p = init_from or (role_dir / f"stage_{prev}" / "ckpt.pt" if prev else None)
     if p and p.is_file():
-        backend.model.load_state_dict(load_ckpt(p)["model"])
-        _log(role_dir, {"stage": stage, "event": "init_from", "path": str(p)})
+        own = backend.model.state_dict()
+        sd = {
+            k: v for k, v in load_ckpt(p)["model"].items() if k in own and own[k].shape == v.shape
+        }
+        backend.model.load_state_dict(sd, strict=False)
+        _log(role_dir, {"stage": stage, "event": "init_from", "path": str(p), "tensors": len(sd)})
 
 
 def stage_b(args, role_dir: Path, size: ModelSize) -> dict:
@@ -495,9 +749,34 @@ def stage_b(args, role_dir: Path, size: ModelSize) -> dict:
     ]
     vis_ids = {id(p) for p in vis}
     rest = [p for p in model.parameters() if id(p) not in vis_ids]
+    # Auxiliary per-token heads (colour, shape of the object under each merged vision token):
+    # keeps the vision features local and semantic, so the answer tokens have something to read.
+    aux = torch.nn.ModuleDict(
+        {
+            "color": torch.nn.Linear(size.text_hidden, 9),
+            "shape": torch.nn.Linear(size.text_hidden, 4),
+        }
+    )
     opt = torch.optim.AdamW(
-        [{"params": rest, "lr": args.lr}, {"params": vis, "lr": args.lr * args.vision_lr_mult}],
+        [
+            {"params": rest, "lr": args.lr},
+            {"params": vis, "lr": args.lr * args.vision_lr_mult},
+            {"params": list(aux.parameters()), "lr": args.lr},
+        ],
         weight_decay=0.01,
+    )
+    captured: dict = {}
+    model.model.visual.register_forward_hook(lambda m, i, o: captured.__setitem__("v", o))
+    cell = backend.factor  # one merged token covers patch x merge pixels per side
+    tok = backend.tokenizer
+
+    def _word_id(w: str) -> int:
+        ids = tok(" " + w, add_special_tokens=False)["input_ids"]
+        return ids[0] if len(ids) == 1 else tok(w, add_special_tokens=False)["input_ids"][0]
+
+    word_ids = (
+        torch.tensor([_word_id(c) for c in COLORS]),
+        torch.tensor([_word_id(sh) for sh in SHAPES]),
     )
     step, seconds = 0, 0.0
     random.seed(args.seed)
@@ -506,16 +785,20 @@ def stage_b(args, role_dir: Path, size: ModelSize) -> dict:
     if args.resume and ck.is_file():
         s = load_ckpt(ck)
         model.load_state_dict(s["model"])
+        if s.get("aux"):
+            aux.load_state_dict(s["aux"])
         opt.load_state_dict(s["opt"])
         step, seconds = s["step"], s.get("seconds", 0.0)
         _set_rng_state(s["rng"])
         _log(role_dir, {"stage": "B", "event": "resume", "step": step})
     else:
-        _load_from_previous(backend, role_dir, "B")
-    crops = args.role == "large"
+        _load_from_previous(backend, role_dir, "B", args.init_from)
+    crops = True
     t0 = time.time()
-    train = make_questions("train", args.seed, args.scenes, backend, crops)
-    pairs = [p for r in train for p in examples_for(r, args.role, args.boxes)]
+    train = make_questions("train", args.seed, args.scenes, backend, crops, args.zoom_max)
+    pairs = [p for r in train for p in examples_for(r, args.role, args.boxes, args.deepeyes)]
+    if args.pack > 1:
+        pairs = pack_examples(pairs, args.pack, random.Random(args.seed))
     _log(
         role_dir,
         {
@@ -532,13 +815,46 @@ def stage_b(args, role_dir: Path, size: ModelSize) -> dict:
     last_save = time.time()
     deadline = time.time() + args.minutes * 60
     losses: list[float] = []
+    aux_losses: list[float] = []
+    lm_losses: list[float] = []
     order: list[int] = []
+    ce = torch.nn.functional.cross_entropy
     while time.time() < deadline and (args.max_steps is None or step < args.max_steps):
         if len(order) < args.batch:
             order += random.sample(range(len(pairs)), len(pairs))
         idx, order = order[: args.batch], order[args.batch :]
-        inputs = batch_inputs(backend, [pairs[i] for i in idx])
+        chunk = [pairs[i] for i in idx]
+        inputs = batch_inputs(backend, chunk)
         loss = model(**inputs).loss
+        lm_losses.append(loss.item())
+        if args.aux_weight > 0:
+            feats = captured["v"].pooler_output
+            feats = torch.cat(list(feats)) if isinstance(feats, (list, tuple)) else feats
+            yc, ys = token_labels(
+                [lay for p in chunk for lay in p[2]], inputs["image_grid_thw"], cell
+            )
+            # Background tokens dominate: weigh them down so objects are not ignored.
+            wc = torch.tensor([1.0] * 8 + [0.1])
+            ws = torch.tensor([1.0] * 3 + [0.1])
+            la = ce(aux["color"](feats), yc, weight=wc) + ce(aux["shape"](feats), ys, weight=ws)
+            if args.word_align > 0:
+                # Object tokens point at the word embeddings of their colour and shape (as the
+                # question spells them), LLaVA-style alignment of vision tokens to the LM's
+                # input space: "is there a red triangle" becomes matching a token it can see.
+                obj = yc < 8
+                if obj.any():
+                    logits = feats[obj] @ model.get_input_embeddings().weight.T
+                    logp = torch.log_softmax(logits, -1)
+                    wl = (
+                        -(
+                            logp.gather(1, word_ids[0][yc[obj]][:, None])
+                            + logp.gather(1, word_ids[1][ys[obj]][:, None])
+                        ).mean()
+                        / 2
+                    )
+                    la = la + args.word_align * wl
+            aux_losses.append(la.item())
+            loss = loss + args.aux_weight * la
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -554,14 +870,25 @@ def stage_b(args, role_dir: Path, size: ModelSize) -> dict:
                     "stage": "B",
                     "step": step,
                     "loss": round(float(np.mean(losses)), 4),
+                    "lm": round(float(np.mean(lm_losses)), 4),
+                    "aux": round(float(np.mean(aux_losses)), 4) if aux_losses else None,
                     "seconds": round(time.time() - start, 1),
                 },
             )
-            losses = []
+            losses, aux_losses, lm_losses = [], [], []
         if time.time() - last_save > args.save_every:
-            save_ckpt(ck, backend, None, opt, step, {"seconds": time.time() - start})
+            save_ckpt(
+                ck,
+                backend,
+                None,
+                opt,
+                step,
+                {"seconds": time.time() - start, "aux": aux.state_dict()},
+            )
             last_save = time.time()
-    save_ckpt(ck, backend, None, opt, step, {"seconds": time.time() - start})
+    save_ckpt(
+        ck, backend, None, opt, step, {"seconds": time.time() - start, "aux": aux.state_dict()}
+    )
     rec = {"stage": "B", "event": "end", "step": step, "seconds": round(time.time() - start, 1)}
     _log(role_dir, rec)
     return rec
@@ -584,35 +911,37 @@ def export(role_dir: Path, stage: str, dest: Path, dtype: str = "float32") -> Pa
 
 
 def _correct(pred: str, gold: str) -> bool:
-    p = pred.strip().strip(".").lower()
-    return p == gold.lower() or (
-        len(gold) == 1 and p[:1] == gold.lower() and (len(p) == 1 or not p[1].isalpha())
-    )
+    return pred.strip().strip(".").lower() == gold.lower()
 
 
 def evaluate(folder: Path, role: str, scenes: int, seed: int = 0, batch: int = 16) -> dict:
-    """Greedy accuracy through HFBackend.answer on held-out test-pool scenes, by target size."""
+    """Greedy accuracy through HFBackend.answer on held-out test-pool scenes: on the full view
+    by target size and category, and on the zoom crops of the small-target questions."""
     from collections import Counter, defaultdict
 
     backend = load_backend(folder)
-    rows = make_questions("test", seed, scenes, backend, crops=False)
+    rows = make_questions("val", seed, scenes, backend, crops=True)
+    items = [("zoom" if r["category"] == "zoom" else "view", r, r["view"]) for r in rows]
+    rows = [r for r in rows if r["category"] != "zoom"]
+    items += [("crop", r, r["crop"]) for r in rows if r.get("crop") is not None]
     hits: dict[str, list[int]] = defaultdict(list)
     preds = Counter()
-    for i in range(0, len(rows), batch):
-        chunk = rows[i : i + batch]
-        msgs = [prompts.small_messages(r["view"], r["question"], r["options"]) for r in chunk]
-        for r, a in zip(chunk, backend.answer(msgs), strict=True):
-            ok = int(_correct(a.text, r["answer"]))
+    for i in range(0, len(items), batch):
+        chunk = items[i : i + batch]
+        msgs = [prompts.small_messages(im, r["question"], r["options"]) for _, r, im in chunk]
+        for (where, r, _), a in zip(chunk, backend.answer(msgs), strict=True):
+            ok = int(_correct(a.text, r["answer_text"]))
             preds[a.text[:12]] += 1
-            for key in ("all", r["target_size"], f"{r['target_size']}/{r['category']}"):
+            size = r["target_size"]
+            for key in (f"{where}", f"{where}/{size}", f"{where}/{size}/{r['category']}"):
                 hits[key].append(ok)
     # The prior: always answering each category's most common gold answer (on this set).
     prior: dict[str, list[int]] = defaultdict(list)
     by_cat: dict[str, Counter] = defaultdict(Counter)
     for r in rows:
-        by_cat[r["category"]][r["answer"]] += 1
+        by_cat[r["category"]][r["answer_text"]] += 1
     for r in rows:
-        ok = int(by_cat[r["category"]].most_common(1)[0][0] == r["answer"])
+        ok = int(by_cat[r["category"]].most_common(1)[0][0] == r["answer_text"])
         for key in ("all", r["target_size"]):
             prior[key].append(ok)
     out = {
@@ -640,6 +969,34 @@ def stage_eval(args, role_dir: Path) -> dict:
     return rec
 
 
+MODELS_DIR = Path(__file__).resolve().parent / "models"
+
+
+def bundle(small_dir: Path, large_dir: Path, dest: Path, settings: dict[str, Any]) -> Path:
+    """Write both trained models (stage B, bfloat16) and the demo's ``manifest.json`` to
+    ``dest`` (by default the package's ``models`` folder, which ``speceyes demo`` loads)."""
+    for role, src in (("small", small_dir), ("large", large_dir)):
+        tmp = dest / f".{role}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        export(src, "B", tmp, dtype="bfloat16")
+        shutil.rmtree(dest / role, ignore_errors=True)
+        os.replace(tmp, dest / role)
+    steps = {
+        role: load_ckpt(src / "stage_B" / "ckpt.pt")["step"]
+        for role, src in (("small", small_dir), ("large", large_dir))
+    }
+    manifest = {"canvas": list(CANVAS), **settings, "trained_steps": steps}
+    (dest / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    return dest
+
+
+def stage_bundle(args) -> None:
+    settings = json.loads(args.settings.read_text()) if args.settings else {}
+    dest = bundle(args.small_dir, args.large_dir, args.dest, settings)
+    size = sum(f.stat().st_size for f in dest.rglob("*") if f.is_file())
+    print(f"bundled into {dest} ({size / 1e6:.1f} MB)")
+
+
 # -------------------------------------------------------------------------------------- CLI
 
 
@@ -647,9 +1004,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="speceyes miniworld train", description=__doc__.split("\n\n")[0]
     )
-    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--out", type=Path, help="run folder (stages A, B, eval)")
     p.add_argument("--role", choices=ROLES, default="small")
-    p.add_argument("--stage", choices=("A", "B", "eval"), required=True)
+    p.add_argument("--stage", choices=("A", "B", "eval", "bundle"), required=True)
     p.add_argument("--minutes", type=float, default=5.0)
     p.add_argument("--max-steps", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
@@ -664,6 +1021,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--object-min", type=int, default=10, help="stage A: smallest object side (px)")
     p.add_argument("--object-max", type=int, default=80, help="stage A: largest object side (px)")
     p.add_argument("--sprite-limit", type=int, default=None)
+    p.add_argument("--init-from", type=Path, default=None, help="stage B: start from this ckpt.pt")
+    p.add_argument("--small-dir", type=Path, help="bundle: the small role's folder")
+    p.add_argument("--large-dir", type=Path, help="bundle: the large role's folder")
+    p.add_argument("--dest", type=Path, default=MODELS_DIR, help="bundle: where to write")
+    p.add_argument("--settings", type=Path, help="bundle: JSON of demo settings (tau, agent)")
+    p.add_argument("--aux-weight", type=float, default=0.5, help="stage B: per-token aux loss")
+    p.add_argument(
+        "--word-align", type=float, default=0.0, help="stage B: align object tokens to words"
+    )
+    p.add_argument(
+        "--zoom-max", type=float, default=12.0, help="stage B: widest random zoom (x object side)"
+    )
+    p.add_argument("--pack", type=int, default=1, help="stage B: questions per conversation")
+    p.add_argument("--deepeyes", action="store_true", help="large role: train DeepEyes turns too")
     p.add_argument("--boxes", action="store_true", help="large role: train the <tool_call> box too")
     p.add_argument("--from-stage", default="B", help="eval: which stage's checkpoint")
     p.add_argument("--log-every", type=int, default=10)
@@ -686,8 +1057,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    if args.lr > 3e-4 + 1e-12:
-        print("warning: lr above 3e-4 diverged in earlier probes", file=sys.stderr)
+    if args.stage == "bundle":
+        if not (args.small_dir and args.large_dir):
+            print("error: --stage bundle needs --small-dir and --large-dir", file=sys.stderr)
+            return 2
+        stage_bundle(args)
+        return 0
+    if args.out is None:
+        print("error: --out is required for stages A, B and eval", file=sys.stderr)
+        return 2
     role_dir = args.out / args.role
     role_dir.mkdir(parents=True, exist_ok=True)
     size = TINY if args.tiny else ModelSize()

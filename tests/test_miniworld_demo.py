@@ -1,0 +1,191 @@
+"""``speceyes demo``: the mini-world benchmark on (stand-in) bundled models, end to end.
+
+The stand-ins are random tiny Qwen2.5-VL folders built by the trainer's own ``build_base`` in the
+bundled models' layout; they load through HFBackend like the trained ones. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from speceyes.cli import main
+from speceyes.miniworld import demo as mwdemo
+
+SPLITS = ("small-targets", "large-targets")
+MODES = ("agent", "small", "speceyes")
+CATEGORIES = ("attribute", "relative_position", "pope_random", "pope_popular", "pope_adversarial")
+MANIFEST = {
+    "tau": 0.5,
+    "agent": {"depth": 1},  # kind, grid and answer_prompt from the defaults
+    "test": {"scenes": 2},
+    "training": {"steps": 123, "note": "stand-in"},
+}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("mw-models")
+    mwdemo.build_standin_models(root, seed=0)
+    (root / "manifest.json").write_text(json.dumps(MANIFEST))
+    return root
+
+
+@pytest.fixture(scope="module")
+def demo_run(models, tmp_path_factory):
+    out = tmp_path_factory.mktemp("mw-demo") / "out"
+    rc = main(["demo", "--models", str(models), "--out", str(out), "--no-progress"])
+    assert rc == 0
+    return out
+
+
+def _results(out: Path, split: str, mode: str) -> dict:
+    return json.loads((out / "runs" / split / mode / "results.json").read_text())
+
+
+def test_run_folders_are_eval_runs(demo_run):
+    from speceyes.bench.runlog import load_run
+
+    data = demo_run / "data"
+    for split, size in zip(SPLITS, ("small", "large"), strict=True):
+        rows = [json.loads(x) for x in (data / f"questions-{size}.jsonl").read_text().splitlines()]
+        assert rows and all(r["target_size"] == size for r in rows)
+        for mode in MODES:
+            d = demo_run / "runs" / split / mode
+            res = _results(demo_run, split, mode)
+            samples = [json.loads(x) for x in (d / "samples.jsonl").read_text().splitlines()]
+            assert res["n"] == len(samples) == len(rows)
+            assert {s["id"] for s in samples} == {r["id"] for r in rows}
+            assert res["config"]["mode"] == mode and res["config"]["bench"] == "jsonl"
+            assert res["config"]["tau"] == 0.5  # from the manifest
+            assert res["wall_time"] > 0 and set(res["time_by_phase"]) >= {"judge", "small", "agent"}
+            assert "plots_error" not in res and isinstance(res["plots"], list)
+            if mode != "agent":  # agent-only logs no confidences: nothing to plot
+                assert (d / "plots").is_dir() and res["plots"]
+            load_run(d)  # what report / regate read
+    assert main(["report", *(str(demo_run / "runs" / "small-targets" / m) for m in MODES)]) == 0
+
+
+def test_table_rows_and_columns(demo_run):
+    md = (demo_run / "summary.md").read_text()
+    lines = [x for x in md.splitlines() if x.startswith("|")]
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    assert head[0] == "questions"
+    for lab in ("agent-only", "small-only", "SpecEyes"):
+        assert [f"{lab} acc", f"{lab} s/query", f"{lab} speedup"] == head[
+            head.index(f"{lab} acc") : head.index(f"{lab} acc") + 3
+        ]
+    assert head[-4:] == ["beta", "alpha", "analytic speedup", "share of analytic"]
+    labels = [x.split("|")[1].strip().split(" (n=")[0] for x in lines[2:]]
+    assert labels == ["small targets", "large targets", "all", *CATEGORIES]
+    assert all(len(x.strip("|").split("|")) == len(head) for x in lines)
+    assert "time per query cannot be attributed to a category" in md
+
+    s = json.loads((demo_run / "summary.json").read_text())
+    assert list(s["rows"]) == ["small-targets", "large-targets", "all"]
+    assert list(s["categories"]) == list(CATEGORIES)
+    # manifest: given keys, defaults for the rest, training metadata carried along
+    assert s["settings"]["tau"] == 0.5 and s["settings"]["canvas"] == [1024, 1024]
+    assert (s["settings"]["agent"]["kind"], s["settings"]["agent"]["depth"]) == ("search", 1)
+    assert s["settings"]["agent"]["grid"] == 2 and s["settings"]["agent"]["answer_prompt"] == "small"
+    assert s["settings"]["extra"]["training"] == MANIFEST["training"]
+    assert s["split"]["n_scenes"] == 2
+
+
+def test_speedups_follow_from_measured_times(demo_run):
+    s = json.loads((demo_run / "summary.json").read_text())
+    tot = {m: [0.0, 0] for m in MODES}
+    for split in SPLITS:
+        agent = _results(demo_run, split, "agent")
+        L = agent["wall_time"] / agent["n"]
+        for mode in MODES:
+            res = _results(demo_run, split, mode)
+            tpq = res["wall_time"] / res["n"]
+            cell = s["rows"][split][mode]
+            assert cell["time_per_query"] == pytest.approx(tpq, rel=1e-9)
+            assert cell["speedup"] == pytest.approx(L / tpq, rel=1e-9)
+            assert cell["accuracy"] == pytest.approx(res["accuracy"])
+            tot[mode][0] += res["wall_time"]
+            tot[mode][1] += res["n"]
+        spec = _results(demo_run, split, "speceyes")
+        assert spec["n_errors"] == 0  # so every query was judged: beta*c_S = (small+gate) / n
+        n, tp = spec["n"], spec["time_by_phase"]
+        beta, alpha = spec["beta"], spec["alpha_accept"] or 0.0
+        c_J, beta_c_S = tp["judge"] / n, (tp["small"] + tp["gate"]) / n
+        analytic = L / (c_J + beta_c_S + (1 - beta * alpha) * L)
+        cell = s["rows"][split]["speceyes"]
+        assert cell["beta"] == pytest.approx(beta) and (cell["alpha"] or 0.0) == pytest.approx(alpha)
+        assert cell["L_agent"] == pytest.approx(L, rel=1e-9)
+        assert cell["analytic_speedup"] == pytest.approx(analytic, rel=1e-9)
+        assert cell["share_of_analytic"] == pytest.approx(cell["speedup"] / analytic, rel=1e-9)
+    # "all": total time / total queries per mode, speedup against the pooled agent-only time
+    L_all = tot["agent"][0] / tot["agent"][1]
+    for mode in MODES:
+        cell = s["rows"]["all"][mode]
+        assert cell["n"] == tot[mode][1]
+        assert cell["time_per_query"] == pytest.approx(tot[mode][0] / tot[mode][1], rel=1e-9)
+        assert cell["speedup"] == pytest.approx(L_all / cell["time_per_query"], rel=1e-9)
+    assert math.isfinite(s["rows"]["all"]["speceyes"]["analytic_speedup"])
+
+
+def test_rerun_reuses_split_and_resumes(models, tmp_path, capsys):
+    out = tmp_path / "out"
+    args = ["demo", "--models", str(models), "--out", str(out), "--no-progress", "--modes", "small"]
+    assert main(args) == 0
+    assert "(generated;" in capsys.readouterr().out
+    q = out / "data" / "questions.jsonl"
+    before = q.stat().st_mtime_ns
+    small = out / "runs" / "small-targets" / "small"
+    n_lines = len((small / "samples.jsonl").read_text().splitlines())
+
+    assert main(args) == 0
+    assert "(reused;" in capsys.readouterr().out
+    assert q.stat().st_mtime_ns == before
+    assert len((small / "samples.jsonl").read_text().splitlines()) == n_lines  # nothing redone
+    assert len(json.loads((small / "run.json").read_text())["segments"]) == 2  # resumed
+    assert not list(small.parent.glob("*.stale-*"))
+    s = json.loads((out / "summary.json").read_text())
+    assert s["modes"] == ["small"] and s["rows"]["small-targets"]["small"]["speedup"] is None
+
+    # another tau: the old run is moved aside (kept), a fresh one is made
+    assert main([*args, "--tau", "0.7"]) == 0
+    stale = list(small.parent.glob("small.stale-*"))
+    assert len(stale) == 1 and (stale[0] / "samples.jsonl").is_file()
+    cfg = json.loads((small / "run.json").read_text())
+    assert cfg["config"]["tau"] == 0.7 and len(cfg["segments"]) == 1
+
+
+def test_missing_models_exit_2(tmp_path, monkeypatch, capsys):
+    empty = tmp_path / "bundled"
+    empty.mkdir()
+    monkeypatch.setattr(mwdemo, "MODELS_DIR", empty)  # the default folder, without weights
+    assert main(["demo", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "no trained mini-world models" in err and str(empty) in err
+    assert "speceyes miniworld train" in err and "docs/miniworld-training.md" in err
+    assert not (tmp_path / "out").exists()  # nothing written
+    assert main(["demo", "--models", str(tmp_path / "nope"), "--out", str(tmp_path / "o")]) == 2
+
+
+def test_settings_defaults_and_errors(tmp_path):
+    s = mwdemo.load_settings(tmp_path / "missing.json")
+    assert (s.canvas, s.tau, s.agg) == ((1024, 1024), 0.9, "min")
+    assert (s.agent.kind, s.agent.depth, s.agent.grid, s.agent.answer_prompt) == (
+        "search", 3, 2, "small"
+    )
+    assert (s.test.seed, s.test.scenes, s.test.small_fraction) == (0, 40, 0.5)
+    p = tmp_path / "m.json"
+    p.write_text(json.dumps({"agent": {"kind": "teleport"}}))
+    with pytest.raises(ValueError, match="agent.kind"):
+        mwdemo.load_settings(p)
+    assert mwdemo.analytic_speedup(1.0, 0.0, 0.0, 0.0, 0.0) == 1.0
+    assert mwdemo.analytic_speedup(1.0, 0.1, 0.8, 0.2, 0.5) == pytest.approx(1 / (0.1 + 0.16 + 0.6))
+
+
+def test_random_tiny_demo_still_runs(tmp_path, capsys):
+    assert main(["demo", "--random-tiny", "--cache", str(tmp_path / "tiny"), "--n", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "| mode | s/query | speedup vs agent |" in out and "| speceyes |" in out
