@@ -72,6 +72,15 @@ def add_funnel_args(p: argparse.ArgumentParser) -> None:
         "by the model's own P(yes) per region)",
     )
     g.add_argument(
+        "--search",
+        default="depth=2,grid=2",
+        metavar="K=V,...",
+        help="--agent search settings: depth (zoom steps), grid (cells per side), overlap "
+        "(0-1), min_region (stop below this side in px; default the model's view side), answer "
+        "(deepeyes: DeepEyes conversation with the crop; small: the small prompt on the crop). "
+        "Default depth=2,grid=2",
+    )
+    g.add_argument(
         "--tau", type=float, default=None, help="gate threshold (default 0.98; thyme: 0.95)"
     )
     g.add_argument("--top-k", type=int, default=gate.DEFAULT_TOP_K, help="K for separability")
@@ -181,10 +190,27 @@ def build_funnel(args: argparse.Namespace):
         elif kind == "search":
             from speceyes.agents.search import SearchAgent
 
-            agent = SearchAgent(large, max_new_tokens=args.agent_max_tokens)
+            agent = SearchAgent(
+                large, max_new_tokens=args.agent_max_tokens, **_search_settings(getattr(args, "search", ""))
+            )
         else:
             agent = ZoomAgent(large, **loop_kw)
     return Funnel(small, large, agent, config)
+
+
+def _search_settings(text: str) -> dict:
+    """``depth=3,grid=3,answer=small`` -> SearchAgent keyword arguments (clear errors)."""
+    kinds = {"depth": int, "grid": int, "overlap": float, "min_region": int, "answer": str}
+    out: dict = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, val = part.partition("=")
+        if not sep or key not in kinds:
+            raise ValueError(f"--search: expected K=V with K in {', '.join(kinds)}, got {part!r}")
+        try:
+            out["answer_prompt" if key == "answer" else key] = kinds[key](val)
+        except ValueError:
+            raise ValueError(f"--search: {key} needs a {kinds[key].__name__}, got {val!r}") from None
+    return out
 
 
 def _print_result(r, tau: float) -> None:

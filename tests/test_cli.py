@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from speceyes.cli import main
 from tests.conftest import make_scene
 
@@ -53,3 +55,20 @@ def test_ask_unknown_model(tmp_path, capsys):
     make_scene().save(img)
     rc = main(["ask", str(img), "q", "--small", str(tmp_path / "nomodel"), "--large", "x/y/z"])
     assert rc == 2 and "does not exist" in capsys.readouterr().err
+
+
+def test_search_agent_settings_parse_and_reject_bad_keys():
+    from speceyes.cli import _search_settings
+
+    assert _search_settings("depth=3,grid=3,overlap=0.2,min_region=64,answer=small") == {
+        "depth": 3,
+        "grid": 3,
+        "overlap": 0.2,
+        "min_region": 64,
+        "answer_prompt": "small",
+    }
+    assert _search_settings("") == {}
+    with pytest.raises(ValueError, match="K=V"):
+        _search_settings("zoom=3")
+    with pytest.raises(ValueError, match="depth needs a int"):
+        _search_settings("depth=two")
