@@ -290,7 +290,13 @@ def _crop_target(q, objects: Sequence, regime: str, rng: random.Random):
 
 
 def make_questions(
-    split: str, seed: int, n_scenes: int, backend, crops: bool, zoom_max: float = 12.0
+    split: str,
+    seed: int,
+    n_scenes: int,
+    backend,
+    crops: bool,
+    zoom_max: float = 12.0,
+    zoom_crops: int = 2,
 ) -> list[dict]:
     """Scenes rendered on the fly (in memory), kept only as the model's view (+ zoom crops of
     the small-regime questions, relative position excepted: its reference is outside the crop)."""
@@ -337,7 +343,7 @@ def make_questions(
                 ]
             rows.append(row)
         if crops:
-            rows.extend(zoom_questions(scene, crop_rng, backend, zoom_max=zoom_max))
+            rows.extend(zoom_questions(scene, crop_rng, backend, zoom_crops, zoom_max))
     return rows
 
 
@@ -512,15 +518,16 @@ def token_labels(layouts: Sequence[list], grids, cell: int):
 
 
 def pack_examples(examples: Sequence[Example], max_turns: int, rng: random.Random) -> list:
-    """Several small-prompt questions about the same image as one multi-turn conversation
-    (the image once, then question/answer turns): one image forward teaches several answers.
-    Other examples (judge, DeepEyes) stay single-turn. Packed ones carry a 4th element True."""
-    groups: dict[int, list[Example]] = {}
+    """Several questions about the same image with the same system prompt (small or judge) as
+    one multi-turn conversation (the image once, then question/answer turns): one image
+    forward teaches several answers. DeepEyes examples stay single-turn. Packed ones carry a 4th element True."""
+    groups: dict[tuple, list[Example]] = {}
     out: list = []
     for ex in examples:
         msgs = ex[0]
-        if msgs[0]["content"] == prompts.SMALL_SYSTEM and len(msgs) == 2:
-            groups.setdefault(id(msgs[1]["content"][0]["image"]), []).append(ex)
+        if msgs[0]["content"] in (prompts.SMALL_SYSTEM, prompts.JUDGE_SYSTEM) and len(msgs) == 2:
+            key = (msgs[0]["content"], id(msgs[1]["content"][0]["image"]))
+            groups.setdefault(key, []).append(ex)
         else:
             out.append(ex)
     for group in groups.values():
@@ -795,7 +802,9 @@ def stage_b(args, role_dir: Path, size: ModelSize) -> dict:
         _load_from_previous(backend, role_dir, "B", args.init_from)
     crops = True
     t0 = time.time()
-    train = make_questions("train", args.seed, args.scenes, backend, crops, args.zoom_max)
+    train = make_questions(
+        "train", args.seed, args.scenes, backend, crops, args.zoom_max, args.zoom_crops
+    )
     pairs = [p for r in train for p in examples_for(r, args.role, args.boxes, args.deepeyes)]
     if args.pack > 1:
         pairs = pack_examples(pairs, args.pack, random.Random(args.seed))
@@ -1033,6 +1042,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--zoom-max", type=float, default=12.0, help="stage B: widest random zoom (x object side)"
     )
+    p.add_argument("--zoom-crops", type=int, default=2, help="stage B: random zooms per scene")
     p.add_argument("--pack", type=int, default=1, help="stage B: questions per conversation")
     p.add_argument("--deepeyes", action="store_true", help="large role: train DeepEyes turns too")
     p.add_argument("--boxes", action="store_true", help="large role: train the <tool_call> box too")
