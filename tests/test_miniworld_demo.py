@@ -90,7 +90,9 @@ def test_table_rows_and_columns(demo_run):
     # manifest: given keys, defaults for the rest, training metadata carried along
     assert s["settings"]["tau"] == 0.5 and s["settings"]["canvas"] == [1024, 1024]
     assert (s["settings"]["agent"]["kind"], s["settings"]["agent"]["depth"]) == ("search", 1)
-    assert s["settings"]["agent"]["grid"] == 2 and s["settings"]["agent"]["answer_prompt"] == "small"
+    assert (
+        s["settings"]["agent"]["grid"] == 2 and s["settings"]["agent"]["answer_prompt"] == "small"
+    )
     assert s["settings"]["extra"]["training"] == MANIFEST["training"]
     assert s["split"]["n_scenes"] == 2
 
@@ -117,7 +119,9 @@ def test_speedups_follow_from_measured_times(demo_run):
         c_J, beta_c_S = tp["judge"] / n, (tp["small"] + tp["gate"]) / n
         analytic = L / (c_J + beta_c_S + (1 - beta * alpha) * L)
         cell = s["rows"][split]["speceyes"]
-        assert cell["beta"] == pytest.approx(beta) and (cell["alpha"] or 0.0) == pytest.approx(alpha)
+        assert cell["beta"] == pytest.approx(beta) and (cell["alpha"] or 0.0) == pytest.approx(
+            alpha
+        )
         assert cell["L_agent"] == pytest.approx(L, rel=1e-9)
         assert cell["analytic_speedup"] == pytest.approx(analytic, rel=1e-9)
         assert cell["share_of_analytic"] == pytest.approx(cell["speedup"] / analytic, rel=1e-9)
@@ -174,7 +178,10 @@ def test_settings_defaults_and_errors(tmp_path):
     s = mwdemo.load_settings(tmp_path / "missing.json")
     assert (s.canvas, s.tau, s.agg) == ((1024, 1024), 0.9, "min")
     assert (s.agent.kind, s.agent.depth, s.agent.grid, s.agent.answer_prompt) == (
-        "search", 3, 2, "small"
+        "search",
+        3,
+        2,
+        "small",
     )
     assert (s.test.seed, s.test.scenes, s.test.small_fraction) == (0, 40, 0.5)
     p = tmp_path / "m.json"
@@ -189,3 +196,47 @@ def test_random_tiny_demo_still_runs(tmp_path, capsys):
     assert main(["demo", "--random-tiny", "--cache", str(tmp_path / "tiny"), "--n", "2"]) == 0
     out = capsys.readouterr().out
     assert "| mode | s/query | speedup vs agent |" in out and "| speceyes |" in out
+
+
+def test_bundled_models_load_and_answer_from_their_own_logits():
+    """The shipped checkpoints: bf16 HF folders within the size budget, a valid manifest, and
+    both load through HFBackend and answer a mini-world question with real top-K logits."""
+    from speceyes import prompts
+    from speceyes.backends.hf import HFBackend
+    from speceyes.miniworld.scenes import generate_scene, load_pool, scene_rng
+
+    found = mwdemo.find_models(mwdemo.MODELS_DIR)
+    total = sum(f.stat().st_size for f in mwdemo.MODELS_DIR.rglob("*") if f.is_file())
+    assert total < 50e6
+    settings = mwdemo.load_settings(mwdemo.MODELS_DIR / mwdemo.MANIFEST)
+    assert 0 < settings.tau < 1 and settings.agent.kind == "search"
+    scene = generate_scene(
+        scene_rng("test", 99, 0), load_pool("test"), canvas=settings.canvas, regime="large"
+    )
+    q = next(q for q in scene.questions if q.category == "attribute")
+    for role in ("small", "large"):
+        cfg = json.loads((found[role] / "config.json").read_text())
+        assert cfg.get("dtype", cfg.get("torch_dtype")) == "bfloat16"
+        be = HFBackend(found[role], dtype="float32")
+        (ans,) = be.answer([prompts.small_messages(scene.image, q.question, q.options)])
+        # A trained model answers with one of the words it was trained on, never format noise.
+        assert ans.text.strip() in {*q.options, "yes", "no"} or ans.text.strip() in (
+            "circle",
+            "rectangle",
+            "triangle",
+            "red",
+            "green",
+            "blue",
+            "yellow",
+            "black",
+            "gray",
+            "teal",
+            "brown",
+            "left",
+            "right",
+        )
+        assert ans.topk is not None and len(ans.topk) >= 1
+    judge = HFBackend(found["large"], dtype="float32").judge(
+        [prompts.judge_messages(scene.image, q.question, q.options)]
+    )
+    assert 0.0 <= judge[0] <= 1.0
