@@ -14,12 +14,18 @@ Stages (see docs/miniworld-training.md for the recipe and the measured results):
 - ``B`` answers: the full model, next-token loss on the answer tokens only (everything else is
   masked), on mini-world questions rendered at the model's view. Inputs are built by
   ``HFBackend._prepare`` with the exact prompts of :mod:`speceyes.prompts` (small: the small-model
-  prompt on the low-resolution full view; large: the judge prompt answered yes for small targets
-  and no for large ones, and DeepEyes turns: ``<answer>`` on the full view for large targets, and
-  for small targets a zoom crop returned as the real tool response, then ``<answer>``;
-  ``--boxes`` also trains the ``<tool_call>`` with the target's box).
+  prompt on the low-resolution full view and on zoom crops; large: also the judge prompt answered
+  yes for small targets and no for large ones, and with ``--deepeyes`` DeepEyes turns:
+  ``<answer>`` on the full view for large targets, and for small targets a zoom crop returned as
+  the real tool response, then ``<answer>``; ``--boxes`` also trains the ``<tool_call>``).
 - ``eval``: save_pretrained, load back through ``HFBackend`` (the path real checkpoints take) and
-  score greedy answers on held-out test-pool scenes, split by target size.
+  score greedy answers on held-out val scenes: full views by target size, zoom crops, random
+  zooms.
+- ``bundle``: both roles' stage-B weights in bfloat16 plus the demo's ``manifest.json`` into
+  ``speceyes/miniworld/models`` (what ``speceyes demo`` loads).
+
+Stage B's data and losses (word answers, zoom questions, the per-token auxiliary loss, packed
+conversations) are described with the measured results in docs/miniworld-training.md.
 
 Every stage writes ``DIR/<role>/stage_<X>/ckpt.pt`` (model, head, optimizer, step, RNG states)
 every ``--save-every`` seconds and at its end, and appends JSON lines to ``DIR/<role>/log.jsonl``.
@@ -81,7 +87,6 @@ def _log(out: Path, rec: dict[str, Any]) -> None:
 def domain_corpus() -> list[str]:
     """Mini-world text for the tokenizer, so colour, shape and answer words are single tokens
     (with and without a leading space), as they are in a real vocabulary."""
-    from speceyes.miniworld.scenes import COLORS, SHAPES
 
     words = [*COLORS, *SHAPES, "left", "right", "yes", "no"]
     lines = [
@@ -261,7 +266,6 @@ def name_of(obj_layout: Sequence) -> tuple[str, str]:
 def layout_in(objects: Sequence, box: Sequence[int], out_size: tuple[int, int]) -> list[tuple]:
     """Objects as (x1, y1, x2, y2, colour id, shape id) in the pixels of ``box`` resized to
     ``out_size`` (for the auxiliary per-token loss)."""
-    from speceyes.miniworld.scenes import COLORS, SHAPES
 
     sx = out_size[0] / (box[2] - box[0])
     sy = out_size[1] / (box[3] - box[1])
@@ -369,7 +373,7 @@ def zoom_questions(
     what the search agent asks ("Is there a {target} in the image?") and what a zoom answers.
     """
     from speceyes.images import resize_for_model
-    from speceyes.miniworld.scenes import ALL_PAIRS, COLORS, SHAPES
+    from speceyes.miniworld.scenes import ALL_PAIRS
 
     w, h = scene.image.size
     rows = []
@@ -642,8 +646,6 @@ def _eval_head(backend, head: Head, test: list, batch: int = 32) -> dict:
 def stage_a(args, role_dir: Path, size: ModelSize) -> dict:
     """Vision warm-start: vision tower + linear heads on shape and colour of one sprite."""
     import torch
-
-    from speceyes.miniworld.scenes import COLORS, SHAPES
 
     base = build_base(role_dir, args.role, size, args.seed, args.family)
     backend = load_backend(base)
