@@ -247,11 +247,11 @@ def zoom_box(size: tuple[int, int], bbox: Sequence[int]) -> tuple[int, int, int,
     return left, top, left + side, top + side
 
 
-def zoom_crop_of(image: Image.Image, bbox: Sequence[int], backend) -> Image.Image:
-    """The zoom crop at the view budget."""
+def crop_at_view(image: Image.Image, box: Sequence[int], backend) -> Image.Image:
+    """``box`` of ``image`` shown at the model's full view budget, as a zoom tool returns it."""
     from speceyes.images import resize_for_model
 
-    crop = image.crop(zoom_box(image.size, bbox))
+    crop = image.crop(tuple(box))
     return resize_for_model(crop, backend.factor, backend.max_pixels, backend.max_pixels)[0]
 
 
@@ -325,7 +325,9 @@ def make_questions(
                 "question": q.question,
                 "options": q.options,
                 "answer": q.answer,
-                "answer_text": (q.options["ABCDEFGH".index(q.answer)] if q.options else q.answer),
+                "answer_text": (
+                    q.options[prompts.OPTION_LETTERS.index(q.answer)] if q.options else q.answer
+                ),
                 "category": q.category,
                 "target_size": q.target_size,
                 "target_bbox": q.target_bbox,
@@ -334,8 +336,8 @@ def make_questions(
             }
             if crops and regime == "small" and q.category != "relative_position":
                 box = _crop_target(q, scene.objects, regime, crop_rng)
-                row["crop"] = zoom_crop_of(scene.image, box, backend)
                 zb = zoom_box(scene.image.size, box)
+                row["crop"] = crop_at_view(scene.image, zb, backend)
                 row["crop_objs"] = layout_in(scene.objects, zb, row["crop"].size)
                 sx = view.width / CANVAS[0]
                 sy = view.height / CANVAS[1]
@@ -372,7 +374,6 @@ def zoom_questions(
     near misses), and attribute questions when the attribute is unique in the crop. This is
     what the search agent asks ("Is there a {target} in the image?") and what a zoom answers.
     """
-    from speceyes.images import resize_for_model
     from speceyes.miniworld.scenes import ALL_PAIRS
 
     w, h = scene.image.size
@@ -384,9 +385,8 @@ def zoom_questions(
         left = rng.randint(max(0, x2 - side), max(0, min(x1, w - side)))
         top = rng.randint(max(0, y2 - side), max(0, min(y1, h - side)))
         box = (left, top, left + side, top + side)
-        crop = resize_for_model(
-            scene.image.crop(box), backend.factor, backend.max_pixels, backend.max_pixels
-        )[0]
+        crop = crop_at_view(scene.image, box, backend)
+        objs = layout_in(scene.objects, box, crop.size)
         shown = [o for o in scene.objects if _inside(o, box)]
         # Partly shown objects make any answer about them ambiguous: leave their attributes out.
         partial = [o for o in scene.objects if o not in shown and _inside(o, box, 0.0)]
@@ -440,7 +440,7 @@ def zoom_questions(
                     "category": "zoom",
                     "target_size": anchor.size,
                     "zoom": round(side / max(1, anchor.side), 2),
-                    "objs": layout_in(scene.objects, box, crop.size),
+                    "objs": objs,
                 }
             )
     return rows
@@ -654,18 +654,7 @@ def stage_a(args, role_dir: Path, size: ModelSize) -> dict:
     vis = list(model.model.visual.parameters())
     opt = torch.optim.AdamW([*vis, *head.parameters()], lr=args.lr, weight_decay=0.01)
     ck = role_dir / "stage_A" / "ckpt.pt"
-    step, seconds = 0, 0.0
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    if args.resume and ck.is_file():
-        s = load_ckpt(ck)
-        model.load_state_dict(s["model"])
-        head.load_state_dict(s["head"])
-        opt.load_state_dict(s["opt"])
-        step, seconds = s["step"], s.get("seconds", 0.0)
-        _set_rng_state(s["rng"])
-        _log(role_dir, {"stage": "A", "event": "resume", "step": step})
+    step, seconds, _ = _seed_or_resume(args, role_dir, "A", ck, model, opt, {"head": head})
     train_sprites = sprites("train", args.sprite_limit)
     test_sprites = sprites("test", args.sprite_limit)
     vw = args.object_view
@@ -729,6 +718,28 @@ def stage_a(args, role_dir: Path, size: ModelSize) -> dict:
     return rec
 
 
+def _seed_or_resume(args, role_dir: Path, stage: str, ck: Path, model, opt, extra: dict):
+    """Seed every RNG; with ``--resume`` and a checkpoint, restore the model, the optimizer,
+    the ``extra`` modules saved under their names (heads), the RNG states and the step.
+    Returns ``(step, seconds, resumed)``: ``(0, 0.0, False)`` for a fresh start."""
+    import torch
+
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    if not (args.resume and ck.is_file()):
+        return 0, 0.0, False
+    s = load_ckpt(ck)
+    model.load_state_dict(s["model"])
+    for name, module in extra.items():
+        if s.get(name):
+            module.load_state_dict(s[name])
+    opt.load_state_dict(s["opt"])
+    _set_rng_state(s["rng"])
+    _log(role_dir, {"stage": stage, "event": "resume", "step": s["step"]})
+    return s["step"], s.get("seconds", 0.0), True
+
+
 def _load_from_previous(backend, role_dir: Path, stage: str, init_from: Path | None) -> None:
     """Start from ``init_from`` (any checkpoint of this size) or the previous stage's. Tensors
     whose shape differs (an embedding of another vocabulary) keep their fresh initialisation."""
@@ -787,25 +798,12 @@ def stage_b(args, role_dir: Path, size: ModelSize) -> dict:
         torch.tensor([_word_id(c) for c in COLORS]),
         torch.tensor([_word_id(sh) for sh in SHAPES]),
     )
-    step, seconds = 0, 0.0
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    if args.resume and ck.is_file():
-        s = load_ckpt(ck)
-        model.load_state_dict(s["model"])
-        if s.get("aux"):
-            aux.load_state_dict(s["aux"])
-        opt.load_state_dict(s["opt"])
-        step, seconds = s["step"], s.get("seconds", 0.0)
-        _set_rng_state(s["rng"])
-        _log(role_dir, {"stage": "B", "event": "resume", "step": step})
-    else:
+    step, seconds, resumed = _seed_or_resume(args, role_dir, "B", ck, model, opt, {"aux": aux})
+    if not resumed:
         _load_from_previous(backend, role_dir, "B", args.init_from)
-    crops = True
     t0 = time.time()
     train = make_questions(
-        "train", args.seed, args.scenes, backend, crops, args.zoom_max, args.zoom_crops
+        "train", args.seed, args.scenes, backend, True, args.zoom_max, args.zoom_crops
     )
     pairs = [p for r in train for p in examples_for(r, args.role, args.boxes, args.deepeyes)]
     if args.pack > 1:
