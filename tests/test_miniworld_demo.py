@@ -240,3 +240,24 @@ def test_bundled_models_load_and_answer_from_their_own_logits():
         [prompts.judge_messages(scene.image, q.question, q.options)]
     )
     assert 0.0 <= judge[0] <= 1.0
+
+
+def test_zoom_on_target_counts_last_zooms_holding_the_target(demo_run):
+    def rec(box, *crops):
+        trace = [{"type": "zoom", "crop_box": list(c)} for c in crops]
+        return {"meta": {"target_bbox": box}, "trace": [*trace, {"type": "assistant"}]}
+
+    recs = [
+        rec([10, 10, 20, 20], (0, 0, 100, 100), (0, 0, 30, 30)),  # last zoom holds it
+        rec([10, 10, 20, 20], (0, 0, 100, 100), (15, 0, 60, 60)),  # last zoom cuts it
+        rec([10, 10, 20, 20]),  # no zoom: not counted
+        rec(None, (0, 0, 5, 5)),  # no known target: not counted
+    ]
+    assert mwdemo.zoom_on_target(recs) == {"n": 2, "hits": 1, "share": 0.5}
+    # The demo's own agent runs are measured the same way and reported in the table's notes.
+    s = json.loads((demo_run / "summary.json").read_text())
+    from speceyes.bench.runner import read_logged
+
+    recs = read_logged(demo_run / "runs" / "small-targets" / "agent" / "samples.jsonl")
+    assert s["rows"]["small-targets"]["agent"]["zoom_on_target"] == mwdemo.zoom_on_target(recs)
+    assert "last crop holds the whole target" in (demo_run / "summary.md").read_text()

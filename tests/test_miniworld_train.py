@@ -174,6 +174,41 @@ def test_zoom_questions_answer_from_what_the_crop_shows(tmp_path):
     assert n > 20
 
 
+def test_search_cell_questions_answer_what_each_cell_shows(tmp_path):
+    import random
+
+    from speceyes.agents.search import grid_boxes
+    from speceyes.miniworld.scenes import generate_scene, load_pool, scene_rng
+
+    be = T.load_backend(T.build_base(tmp_path, "small", T.TINY, 0))
+    pool = load_pool("train")
+    answers = []
+    for i in range(3):
+        scene = generate_scene(scene_rng("train", 0, i), pool, canvas=T.CANVAS, regime="small")
+        rows = T.search_cell_questions(scene, random.Random(i), be, cells=3)
+        level1 = [tuple(round(v) for v in c) for c in grid_boxes((0, 0, *T.CANVAS), 3, 0.25)]
+        for r in rows:
+            w, h = r["view"].size
+            assert r["options"] is None
+            words = r["question"][len("Is there a ") : -len(" in the image?")].split()
+            named = [o for o in r["objs"] if all(x in ("object", *T.name_of(o)) for x in words)]
+            # Crop pixels: shown means the centre is in the crop; touching means any overlap.
+            centred = [
+                o for o in named if 0 <= (o[0] + o[2]) / 2 < w and 0 <= (o[1] + o[3]) / 2 < h
+            ]
+            touching = [o for o in named if o[2] > 0 and o[0] < w and o[3] > 0 and o[1] < h]
+            if r["answer_text"] == "yes":
+                assert centred, r["question"]
+            else:
+                assert r["answer_text"] == "no" and not touching, r["question"]
+            answers.append(r["answer_text"])
+        # Both depths: depth-1 cells are grid cells of the canvas, depth-2 ones are smaller.
+        zooms = sorted({r["zoom"] for r in rows})
+        assert zooms[0] == round(T.CANVAS[0] / (level1[0][2] - level1[0][0]), 2)
+        assert len(zooms) >= 2
+    assert "yes" in answers and "no" in answers
+
+
 def test_packed_conversations_label_every_answer(tmp_path):
     import random
 

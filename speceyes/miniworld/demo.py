@@ -236,7 +236,11 @@ def ensure_split(data: Path, key: dict[str, Any]) -> tuple[dict[str, Any], bool]
                 return man, True
     # Generated data only: remove what a previous split wrote (manifest first, so a crash in
     # between never leaves an old manifest over new images).
-    for name in ("manifest.json", "questions.jsonl", *(subset_path(data, s).name for _, s in SPLITS)):
+    for name in (
+        "manifest.json",
+        "questions.jsonl",
+        *(subset_path(data, s).name for _, s in SPLITS),
+    ):
         (data / name).unlink(missing_ok=True)
     shutil.rmtree(data / "images", ignore_errors=True)
     man = make_split(
@@ -349,7 +353,9 @@ def run_one(
         idp = run_dir / IDENTITY
         old = json.loads(idp.read_text()) if idp.is_file() else None
         if old != ident:
-            diff = "unknown" if old is None else ", ".join(k for k in ident if old.get(k) != ident[k])
+            diff = (
+                "unknown" if old is None else ", ".join(k for k in ident if old.get(k) != ident[k])
+            )
             _move_aside(run_dir, diff)
             started = False
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -395,6 +401,22 @@ def _counts(records: list[dict]) -> dict[str, int]:
     }
 
 
+def zoom_on_target(records: list[dict]) -> dict[str, Any]:
+    """How often the agent's last zoom holds the whole target box of the question (the
+    relative-position target, the attribute object, a POPE positive), over the agent runs that
+    zoomed on a question with a known target: the search's localisation, measured."""
+    hits = n = 0
+    for r in records:
+        box = (r.get("meta") or {}).get("target_bbox")
+        zooms = [t for t in r.get("trace") or [] if t.get("type") == "zoom"]
+        if box is None or not zooms:
+            continue
+        c = zooms[-1]["crop_box"]
+        n += 1
+        hits += c[0] <= box[0] and c[1] <= box[1] and c[2] >= box[2] and c[3] >= box[3]
+    return {"n": n, "hits": hits, "share": hits / n if n else None}
+
+
 def _cell(records: list[dict], wall: float) -> dict[str, Any]:
     """Accuracy, time, phase costs and funnel counts of a set of records run in ``wall`` s."""
     from speceyes.bench.runner import summarize
@@ -416,6 +438,7 @@ def _cell(records: list[dict], wall: float) -> dict[str, Any]:
         # c_J: judge seconds per query; c_S: small model + gate seconds per query it answered.
         "c_J": tp["judge"] / n if n and c["judged"] else None,
         "c_S": (tp["small"] + tp["gate"]) / c["tool_free"] if c["tool_free"] else None,
+        "zoom_on_target": zoom_on_target(records),
     }
 
 
@@ -516,6 +539,16 @@ def format_table(summary: dict[str, Any]) -> str:
         "Category rows: accuracy only, pooled over both splits; time per query cannot be "
         "attributed to a category, since a batch mixes categories and shares its time.",
     ]
+    if "agent" in modes:
+        hits = []
+        for key, row in summary["rows"].items():
+            z = row["agent"].get("zoom_on_target") or {}
+            if z.get("n"):
+                hits.append(f"{SPLIT_LABEL[key]} {z['hits']}/{z['n']} ({z['share']:.0%})")
+        if hits:
+            notes.append(
+                "Agent-only zooms whose last crop holds the whole target: " + "; ".join(hits) + "."
+            )
     if "speceyes" in modes:
         costs = []
         for key, row in summary["rows"].items():
@@ -542,10 +575,16 @@ def add_args(p: argparse.ArgumentParser) -> None:
         help="folder with small/, large/ (Hugging Face checkpoint folders) and an optional "
         f"manifest.json of demo settings (default: the bundled {MODELS_DIR})",
     )
-    p.add_argument("--scenes", type=int, default=None, help="test scenes, 8 questions each "
-                   "(default: manifest test.scenes, 40)")
+    p.add_argument(
+        "--scenes",
+        type=int,
+        default=None,
+        help="test scenes, 8 questions each (default: manifest test.scenes, 40)",
+    )
     p.add_argument("--seed", type=int, default=None, help="split seed (default: manifest, 0)")
-    p.add_argument("--tau", type=float, default=None, help="gate threshold (default: manifest, 0.9)")
+    p.add_argument(
+        "--tau", type=float, default=None, help="gate threshold (default: manifest, 0.9)"
+    )
     p.add_argument(
         "--modes",
         default=",".join(MODES),
@@ -611,7 +650,14 @@ def run(args: argparse.Namespace) -> int:
             print(f"[{SPLIT_LABEL[split]}] {MODE_LABEL[mode]} -> {run_dir}", flush=True)
             ident = _identity(key, size, mode, prints, settings)
             res = run_one(
-                run_dir, mode, subset, ident, funnel_kw, backends, agent, models,
+                run_dir,
+                mode,
+                subset,
+                ident,
+                funnel_kw,
+                backends,
+                agent,
+                models,
                 progress=not args.no_progress,
             )
             print(

@@ -301,6 +301,7 @@ def make_questions(
     crops: bool,
     zoom_max: float = 12.0,
     zoom_crops: int = 2,
+    search_cells: int = 0,
 ) -> list[dict]:
     """Scenes rendered on the fly (in memory), kept only as the model's view (+ zoom crops of
     the small-regime questions, relative position excepted: its reference is outside the crop)."""
@@ -350,6 +351,8 @@ def make_questions(
             rows.append(row)
         if crops:
             rows.extend(zoom_questions(scene, crop_rng, backend, zoom_crops, zoom_max))
+        if search_cells and regime == "small":
+            rows.extend(search_cell_questions(scene, crop_rng, backend, search_cells))
     return rows
 
 
@@ -361,6 +364,12 @@ def _inside(obj, box: Sequence[int], min_share: float = 0.6) -> bool:
     cx, cy = obj.center
     centre_in = box[0] <= cx < box[2] and box[1] <= cy < box[3]
     return centre_in and ix * iy >= min_share * (x2 - x1) * (y2 - y1)
+
+
+def _overlaps(obj, box: Sequence[int]) -> bool:
+    """Whether any part of an object is in a crop (then it is shown, or unclear, never absent)."""
+    x1, y1, x2, y2 = obj.bbox
+    return x1 < box[2] and x2 > box[0] and y1 < box[3] and y2 > box[1]
 
 
 def zoom_questions(
@@ -389,7 +398,7 @@ def zoom_questions(
         objs = layout_in(scene.objects, box, crop.size)
         shown = [o for o in scene.objects if _inside(o, box)]
         # Partly shown objects make any answer about them ambiguous: leave their attributes out.
-        partial = [o for o in scene.objects if o not in shown and _inside(o, box, 0.0)]
+        partial = [o for o in scene.objects if o not in shown and _overlaps(o, box)]
         pairs = {(o.color, o.shape) for o in shown}
         colors, shapes = {c for c, _ in pairs}, {s for _, s in pairs}
         unclear_c = {o.color for o in partial}
@@ -443,6 +452,78 @@ def zoom_questions(
                     "objs": objs,
                 }
             )
+    return rows
+
+
+def _existence_answers(shown: Sequence, partial: Sequence, names: Sequence[tuple[str, str]]):
+    """Yes/no answers for the search's three target phrasings (pair, colour, shape) of each
+    ``(colour, shape)`` in ``names``; a phrasing a partly shown object makes unclear is left out."""
+    sp = {(o.color, o.shape) for o in shown}
+    pp = {(o.color, o.shape) for o in partial}
+    out: dict[str, str] = {}
+    for c, s in names:
+        for phrase, has, unclear in (
+            (f"{c} {s}", (c, s) in sp, (c, s) in pp),
+            (f"{c} object", any(x == c for x, _ in sp), any(x == c for x, _ in pp)),
+            (s, any(y == s for _, y in sp), any(y == s for _, y in pp)),
+        ):
+            if has:
+                out[phrase] = "yes"
+            elif not unclear:
+                out[phrase] = "no"
+    return out
+
+
+def search_cell_questions(
+    scene, rng: random.Random, backend, cells: int = 4, grid: int = 3, overlap: float = 0.25
+) -> list[dict]:
+    """Existence questions on the very cells the search agent scores, at its first two depths.
+
+    The search ranks the cells of a grid by the model's P(yes) to "Is there a {target} in the
+    image?", so this is what it must answer: yes in the cells that show a scene object, no in the
+    cells that do not although the object is elsewhere in the scene. Depth 1 is the grid over
+    the whole canvas; depth 2 the grid inside a depth-1 cell holding a random small object. Up
+    to ``cells`` cells per depth, always including one that holds the object; each gets up to
+    4 yes and 4 no questions about the scene's own objects.
+    """
+    from speceyes.agents.search import grid_boxes
+
+    w, h = scene.image.size
+    small = [o for o in scene.objects if o.size == "small"] or list(scene.objects)
+    anchor = rng.choice(small)
+    names = sorted({(o.color, o.shape) for o in scene.objects})
+    rows = []
+    region: tuple[float, float, float, float] = (0.0, 0.0, float(w), float(h))
+    for _ in range(2):
+        level = [tuple(round(v) for v in c) for c in grid_boxes(region, grid, overlap)]
+        home = [c for c in level if _inside(anchor, c, 1.0)]
+        if not home:
+            break
+        pick = rng.choice(home)
+        chosen = [pick, *rng.sample([c for c in level if c != pick], min(cells, len(level)) - 1)]
+        for box in chosen:
+            crop = crop_at_view(scene.image, box, backend)
+            objs = layout_in(scene.objects, box, crop.size)
+            shown = [o for o in scene.objects if _inside(o, box)]
+            partial = [o for o in scene.objects if o not in shown and _overlaps(o, box)]
+            answers = list(_existence_answers(shown, partial, names).items())
+            rng.shuffle(answers)
+            yes = [a for a in answers if a[1] == "yes"][:4]
+            no = [a for a in answers if a[1] == "no"][:4]
+            for phrase, ans in yes + no:
+                rows.append(
+                    {
+                        "view": crop,
+                        "question": f"Is there a {phrase} in the image?",
+                        "options": None,
+                        "answer_text": ans,
+                        "category": "zoom",
+                        "target_size": anchor.size,
+                        "zoom": round(w / max(1, box[2] - box[0]), 2),
+                        "objs": objs,
+                    }
+                )
+        region = pick
     return rows
 
 
@@ -803,7 +884,14 @@ def stage_b(args, role_dir: Path, size: ModelSize) -> dict:
         _load_from_previous(backend, role_dir, "B", args.init_from)
     t0 = time.time()
     train = make_questions(
-        "train", args.seed, args.scenes, backend, True, args.zoom_max, args.zoom_crops
+        "train",
+        args.seed,
+        args.scenes,
+        backend,
+        True,
+        args.zoom_max,
+        args.zoom_crops,
+        args.search_cells,
     )
     pairs = [p for r in train for p in examples_for(r, args.role, args.boxes, args.deepeyes)]
     if args.pack > 1:
@@ -1043,6 +1131,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--zoom-max", type=float, default=12.0, help="stage B: widest random zoom (x object side)"
     )
     p.add_argument("--zoom-crops", type=int, default=2, help="stage B: random zooms per scene")
+    p.add_argument(
+        "--search-cells",
+        type=int,
+        default=0,
+        help="stage B: search-grid cells per depth with existence questions (small scenes)",
+    )
     p.add_argument("--pack", type=int, default=1, help="stage B: questions per conversation")
     p.add_argument("--deepeyes", action="store_true", help="large role: train DeepEyes turns too")
     p.add_argument("--boxes", action="store_true", help="large role: train the <tool_call> box too")
