@@ -40,12 +40,8 @@ def add_model_args(p: argparse.ArgumentParser, *, required: bool = True) -> None
     g.add_argument("--device-map", default=None, help='e.g. "auto" or "cuda:0" (default: CPU)')
     g.add_argument("--attn", default=None, help="attention implementation, e.g. sdpa")
     g.add_argument("--tensor-parallel-size", type=int, default=1, help="vLLM engine only")
-    g.add_argument(
-        "--small-family", default="qwen3_vl", help="model family behind a --small URL"
-    )
-    g.add_argument(
-        "--large-family", default="qwen2_5_vl", help="model family behind a --large URL"
-    )
+    g.add_argument("--small-family", default="qwen3_vl", help="model family behind a --small URL")
+    g.add_argument("--large-family", default="qwen2_5_vl", help="model family behind a --large URL")
     g.add_argument(
         "--max-logprobs",
         type=int,
@@ -77,7 +73,8 @@ def add_funnel_args(p: argparse.ArgumentParser) -> None:
         metavar="K=V,...",
         help="--agent search settings: depth (zoom steps), grid (cells per side), overlap "
         "(0-1), min_region (stop below this side in px; default the model's view side), answer "
-        "(deepeyes: DeepEyes conversation with the crop; small: the small prompt on the crop). "
+        "(deepeyes: DeepEyes conversation with the crop; small: the small prompt on the crop), stay "
+        "(1: also score the current region and stop zooming where it beats every cell). "
         "Default depth=2,grid=2",
     )
     g.add_argument(
@@ -104,9 +101,7 @@ def add_funnel_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--max-agent-loops", type=int, default=32, help="agent loops in flight")
     g.add_argument("--max-tool-calls", type=int, default=5, help="agent tool-call budget")
-    g.add_argument(
-        "--agent-max-tokens", type=int, default=1024, help="new tokens per agent turn"
-    )
+    g.add_argument("--agent-max-tokens", type=int, default=1024, help="new tokens per agent turn")
     g.add_argument("--calibration", default=None, help="tau file written by speceyes calibrate")
 
 
@@ -146,9 +141,7 @@ def make_backend(spec: str, family: str, args: argparse.Namespace):
     if args.engine == "vllm":
         from speceyes.backends.vllm import VLLMBackend
 
-        return VLLMBackend(
-            spec, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size
-        )
+        return VLLMBackend(spec, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size)
     from speceyes.backends.hf import HFBackend
 
     return HFBackend(
@@ -191,16 +184,35 @@ def build_funnel(args: argparse.Namespace):
             from speceyes.agents.search import SearchAgent
 
             agent = SearchAgent(
-                large, max_new_tokens=args.agent_max_tokens, **_search_settings(getattr(args, "search", ""))
+                large,
+                max_new_tokens=args.agent_max_tokens,
+                **_search_settings(getattr(args, "search", "")),
             )
         else:
             agent = ZoomAgent(large, **loop_kw)
     return Funnel(small, large, agent, config)
 
 
+def _flag(text: str) -> bool:
+    """1/0, true/false, yes/no -> bool; anything else is a ValueError."""
+    t = text.strip().lower()
+    if t in ("1", "true", "yes", "on"):
+        return True
+    if t in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(text)
+
+
 def _search_settings(text: str) -> dict:
-    """``depth=3,grid=3,answer=small`` -> SearchAgent keyword arguments (clear errors)."""
-    kinds = {"depth": int, "grid": int, "overlap": float, "min_region": int, "answer": str}
+    """``depth=3,grid=3,answer=small,stay=1`` -> SearchAgent keyword arguments (clear errors)."""
+    kinds = {
+        "depth": int,
+        "grid": int,
+        "overlap": float,
+        "min_region": int,
+        "answer": str,
+        "stay": _flag,
+    }
     out: dict = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         key, sep, val = part.partition("=")
@@ -209,7 +221,8 @@ def _search_settings(text: str) -> dict:
         try:
             out["answer_prompt" if key == "answer" else key] = kinds[key](val)
         except ValueError:
-            raise ValueError(f"--search: {key} needs a {kinds[key].__name__}, got {val!r}") from None
+            what = "1 or 0" if kinds[key] is _flag else f"a {kinds[key].__name__}"
+            raise ValueError(f"--search: {key} needs {what}, got {val!r}") from None
     return out
 
 
@@ -221,7 +234,10 @@ def _print_result(r, tau: float) -> None:
     if r.small_answer is not None:
         conf = "n/a (empty answer)" if r.confidence is None else f"{r.confidence:.4f}"
         print(f"small model: {r.small_answer!r}  confidence {conf}  (tau {tau})")
-    print(f"tool calls:  {r.tool_calls}" + (f" (+{r.invalid_tool_calls} invalid)" if r.invalid_tool_calls else ""))
+    print(
+        f"tool calls:  {r.tool_calls}"
+        + (f" (+{r.invalid_tool_calls} invalid)" if r.invalid_tool_calls else "")
+    )
     for step in r.trace:
         if step["type"] == "zoom":
             print(f"  zoom {step['bbox_2d']} -> crop {step['crop_box']} of the original")
@@ -458,7 +474,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume continues a killed run without redoing or losing any sample.",
     )
     ev.add_argument("--bench", required=True, help="vstar | hrbench | pope | jsonl")
-    ev.add_argument("--data", required=True, help="V* folder, HR-Bench .tsv, POPE parquet/folder, or .jsonl")
+    ev.add_argument(
+        "--data", required=True, help="V* folder, HR-Bench .tsv, POPE parquet/folder, or .jsonl"
+    )
     ev.add_argument("--output", default=None, help="run folder (default runs/BENCH-MODE)")
     ev.add_argument("--limit", type=int, default=None, help="only the first N queries")
     ev.add_argument("--resume", action="store_true", help="continue the run in --output")
@@ -467,7 +485,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="with --resume: redo logged queries that ended in an error (e.g. a dead server)",
     )
-    ev.add_argument("--no-shuffle", action="store_true", help="V*: keep published option order (answer always A)")
+    ev.add_argument(
+        "--no-shuffle",
+        action="store_true",
+        help="V*: keep published option order (answer always A)",
+    )
     ev.add_argument("--seed", type=int, default=0, help="V*: option shuffle seed")
     ev.add_argument("--split", default=None, help="POPE: adversarial | popular | random")
     ev.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -492,7 +514,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="replay the gate offline from a --mode both run, for any tau, K and aggregation",
     )
     rg.add_argument("run", help="run folder of a --mode both eval")
-    rg.add_argument("--tau", default=None, help="'0.9,0.98' or 'start:stop:count' (default: a grid)")
+    rg.add_argument(
+        "--tau", default=None, help="'0.9,0.98' or 'start:stop:count' (default: a grid)"
+    )
     rg.add_argument("--top-k", default=None, help="K values up to the logged K, e.g. '20,64'")
     rg.add_argument("--agg", default=None, help="aggregations, e.g. 'min,mean,bottom,log'")
     rg.add_argument("--json", action="store_true")
@@ -571,9 +595,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--request-timeout", type=float, default=300.0, help="seconds before 504")
     srv.add_argument("--model-name", default="speceyes", help="model id in /v1/models")
     srv.add_argument("--max-body-mb", type=float, default=32.0, help="largest request body")
-    srv.add_argument(
-        "--allow-local-files", action="store_true", help="accept file:// image URLs"
-    )
+    srv.add_argument("--allow-local-files", action="store_true", help="accept file:// image URLs")
     add_model_args(srv)
     add_funnel_args(srv)
     srv.set_defaults(func=cmd_serve)

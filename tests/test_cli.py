@@ -24,7 +24,19 @@ def _ask(tiny_dirs, *extra):
 def test_ask_prints_route_and_confidence(tiny_dirs, tmp_path, capsys):
     img = tmp_path / "scene.png"
     make_scene().save(img)
-    rc = main(_ask(tiny_dirs, str(img), "What color is the square?", "--option", "red", "--option", "blue", "--tau", "0.5"))
+    rc = main(
+        _ask(
+            tiny_dirs,
+            str(img),
+            "What color is the square?",
+            "--option",
+            "red",
+            "--option",
+            "blue",
+            "--tau",
+            "0.5",
+        )
+    )
     out = capsys.readouterr().out
     assert rc == 0
     assert "route:" in out and "P(tool):" in out and "confidence" in out and "tool calls:" in out
@@ -68,6 +80,10 @@ def test_search_agent_settings_parse_and_reject_bad_keys():
         "answer_prompt": "small",
     }
     assert _search_settings("") == {}
+    assert _search_settings("stay=1") == {"stay": True}
+    assert _search_settings("stay=off") == {"stay": False}
+    with pytest.raises(ValueError, match="stay needs 1 or 0"):
+        _search_settings("stay=maybe")
     with pytest.raises(ValueError, match="K=V"):
         _search_settings("zoom=3")
     with pytest.raises(ValueError, match="depth needs a int"):

@@ -115,6 +115,26 @@ def test_scores_steer_the_zoom_to_the_target(q25):
         assert (last[2] - last[0]) <= 1600 * 0.4  # two levels of a 2x2 grid with 25% overlap
 
 
+def test_stay_stops_where_the_region_beats_its_cells(q25):
+    be = ScoreDouble(q25)
+    qs = [
+        q(0, size=(1600, 1200), box=(1400, 1000, 1460, 1060)),  # small: every zoom gains
+        q(1, size=(1600, 1200), box=(200, 150, 1400, 1050)),  # fills the image: cells cut it
+    ]
+    out = SearchAgent(be, depth=2, max_new_tokens=4, stay=True).run(qs)
+    assert be.calls == [10, 5]  # the region itself + 4 cells per searching loop
+    small, big = out
+    zooms = [s for s in small.trace if s["type"] == "zoom"]
+    assert len(zooms) == 2 and small.tool_calls == 2
+    x1, y1, x2, y2 = zooms[-1]["crop_box"]
+    assert x1 <= 1430 <= x2 and y1 <= 1030 <= y2
+    assert big.tool_calls == 0 and not [s for s in big.trace if s["type"] == "zoom"]
+    (stay,) = [s for s in big.trace if s["type"] == "stay"]
+    assert stay["depth"] == 0 and stay["crop_box"] == [0, 0, 1600, 1200]
+    assert stay["score"] >= stay["best_cell"]
+    assert big.answer is not None and big.error is None
+
+
 def test_search_agent_in_the_funnel(q25, silent):
     queries = [q(i) for i in range(3)]
     f = Funnel(silent, q25, SearchAgent(q25, max_new_tokens=8), FunnelConfig(tau=0.0, batch_size=2))
@@ -153,9 +173,24 @@ def test_ask_with_the_search_agent(tiny_dirs, tmp_path, capsys):
 
     img = tmp_path / "scene.png"
     make_scene(size=(600, 400)).save(img)
-    rc = main(["ask", str(img), "Is there a red square in the image?", "--json",
-               "--agent", "search", "--mode", "agent", "--agent-max-tokens", "8",
-               "--small", str(tiny_dirs["qwen3_vl"]), "--large", str(tiny_dirs["qwen2_5_vl"])])
+    rc = main(
+        [
+            "ask",
+            str(img),
+            "Is there a red square in the image?",
+            "--json",
+            "--agent",
+            "search",
+            "--mode",
+            "agent",
+            "--agent-max-tokens",
+            "8",
+            "--small",
+            str(tiny_dirs["qwen3_vl"]),
+            "--large",
+            str(tiny_dirs["qwen2_5_vl"]),
+        ]
+    )
     data = json.loads(capsys.readouterr().out)
     assert rc == 0 and data["route"] == "agent_only"
     assert any(step["type"] == "zoom" for step in data["trace"])

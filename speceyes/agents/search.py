@@ -110,6 +110,7 @@ class SearchAgent(LoopAgent):
         answer_prompt: str = "deepeyes",
         max_new_tokens: int = 64,
         min_box: int = 28,
+        stay: bool = False,
     ) -> None:
         if answer_prompt not in ("deepeyes", "small"):
             raise ValueError("answer_prompt must be 'deepeyes' or 'small'")
@@ -120,6 +121,9 @@ class SearchAgent(LoopAgent):
         self.answer_prompt = answer_prompt
         self.max_new_tokens = max_new_tokens
         self.min_box = min_box
+        # Score the current region alongside its cells and stop when it wins: a target that
+        # fills the region is cut apart by every cell, so zooming further only loses it.
+        self.stay = stay
         max_pixels = getattr(backend, "max_pixels", 16384 * 28 * 28)
         # A region no larger than this is already shown at native resolution: zooming is useless.
         self.min_region = min_region if min_region is not None else int(math.sqrt(max_pixels))
@@ -168,8 +172,12 @@ class SearchAgent(LoopAgent):
 
     def _search_step(self, loops: list[_Loop]) -> None:
         cells: list[tuple[_Loop, list[int], Image.Image, tuple[int, int, int, int]]] = []
+        here: dict[int, int] = {}  # loop id -> index of its own region among the scored crops
         for lp in loops:
-            for c in grid_boxes(lp.region, self.grid, self.overlap):
+            boxes = grid_boxes(lp.region, self.grid, self.overlap)
+            if self.stay:
+                boxes = [lp.region, *boxes]
+            for k, c in enumerate(boxes):
                 mb = self._model_box(lp, c)
                 try:
                     crop, box = self._crop(lp, mb)
@@ -177,6 +185,8 @@ class SearchAgent(LoopAgent):
                     lp.outcome.invalid_tool_calls += 1
                     lp.outcome.trace.append({"type": "tool_error", "error": str(e)})
                     continue
+                if self.stay and k == 0:
+                    here[id(lp)] = len(cells)
                 cells.append((lp, mb, crop, box))
         scores = (
             self._p_yes([prompts.small_messages(crop, lp.scorer) for lp, _, crop, _ in cells])
@@ -184,11 +194,28 @@ class SearchAgent(LoopAgent):
             else np.zeros(0)
         )
         for lp in loops:
-            mine = [(s, c) for s, c in zip(scores.tolist(), cells, strict=True) if c[0] is lp]
+            own = here.get(id(lp))
+            mine = [
+                (s, c)
+                for i, (s, c) in enumerate(zip(scores.tolist(), cells, strict=True))
+                if c[0] is lp and i != own
+            ]
             if not mine:
                 lp.searching = False
                 continue
             best_s, (_, mb, crop, box) = max(mine, key=lambda t: t[0])
+            if own is not None and scores[own] >= best_s:
+                lp.searching = False
+                lp.outcome.trace.append(
+                    {
+                        "type": "stay",
+                        "crop_box": [round(v) for v in lp.region],
+                        "depth": lp.depth,
+                        "score": round(float(scores[own]), 6),
+                        "best_cell": round(float(best_s), 6),
+                    }
+                )
+                continue
             lp.outcome.tool_calls += 1
             lp.outcome.trace.append(
                 {

@@ -75,6 +75,7 @@ class AgentSettings:
     answer_prompt: str = "small"
     overlap: float = 0.25
     min_region: int | None = None  # search: stop zooming below this side (px); None = the view
+    stay: bool = False  # search: stop where the current region outscores all its cells
     max_tool_calls: int = 5  # zoom only
     max_new_tokens: int | None = None  # default: 64 for search, 1024 for zoom (as the CLI)
 
@@ -291,6 +292,7 @@ def make_agent(large, a: AgentSettings):
         min_region=a.min_region,
         answer_prompt=a.answer_prompt,
         max_new_tokens=a.max_new_tokens or 64,
+        stay=a.stay,
     )
 
 
