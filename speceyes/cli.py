@@ -74,7 +74,8 @@ def add_funnel_args(p: argparse.ArgumentParser) -> None:
         help="--agent search settings: depth (zoom steps), grid (cells per side), overlap "
         "(0-1), min_region (stop below this side in px; default the model's view side), answer "
         "(deepeyes: DeepEyes conversation with the crop; small: the small prompt on the crop), stay "
-        "(1: also score the current region and stop zooming where it beats every cell). "
+        "(1: also score the current region and stop zooming where it beats every cell), beam "
+        "(regions kept per depth; their cells all compete at the next depth). "
         "Default depth=2,grid=2",
     )
     g.add_argument(
@@ -212,6 +213,7 @@ def _search_settings(text: str) -> dict:
         "min_region": int,
         "answer": str,
         "stay": _flag,
+        "beam": int,
     }
     out: dict = {}
     for part in filter(None, (p.strip() for p in text.split(","))):

@@ -135,6 +135,41 @@ def test_stay_stops_where_the_region_beats_its_cells(q25):
     assert big.answer is not None and big.error is None
 
 
+class DecoyDouble(ScoreDouble):
+    """Scores a green decoy at a flat 0.4 and the red target by its share of the crop: the
+    decoy's cell wins at depth 1, where the target is a few pixels, and loses at depth 2."""
+
+    def next_token_probs(self, batch, words):
+        self.real.next_token_probs(batch, words)
+        self.calls.append(len(batch))
+        out = []
+        for messages in batch:
+            arr = np.asarray(messages[1]["content"][0]["image"]).astype(int)
+            red = (np.abs(arr - self.color).sum(-1) < 30).mean()
+            green = (np.abs(arr - (30, 200, 30)).sum(-1) < 30).any()
+            out.append([max(0.05 + 0.9 * min(1.0, 50 * red), 0.4 if green else 0.05), 0.5])
+        return np.array(out)
+
+
+def test_beam_recovers_a_target_ranked_second_at_depth_one(q25):
+    from PIL import ImageDraw
+
+    img = make_scene(size=(1600, 1200), box=(1400, 1000, 1460, 1060))
+    ImageDraw.Draw(img).rectangle((100, 80, 300, 280), fill=(30, 200, 30))
+    query = Query(id="0", image=img, question="What is the color of the rectangle?")
+    ends = {}
+    for beam in (1, 2):
+        be = DecoyDouble(q25)
+        (out,) = SearchAgent(be, depth=2, max_new_tokens=4, beam=beam).run([query])
+        zooms = [s for s in out.trace if s["type"] == "zoom"]
+        assert zooms[0]["crop_box"][0] == 0  # depth 1: the decoy's cell wins either way
+        assert be.calls == [4, 4 * beam]  # depth 2 scores the cells of every kept region
+        ends[beam] = zooms[-1]["crop_box"]
+    x1, y1, x2, y2 = ends[2]
+    assert x1 <= 1400 and y1 <= 1000 and x2 >= 1460 and y2 >= 1060  # beam 2 finds the target
+    assert ends[1][2] <= 1000  # beam 1 stays in the decoy's quarter
+
+
 def test_search_agent_in_the_funnel(q25, silent):
     queries = [q(i) for i in range(3)]
     f = Funnel(silent, q25, SearchAgent(q25, max_new_tokens=8), FunnelConfig(tau=0.0, batch_size=2))

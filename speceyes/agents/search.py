@@ -85,6 +85,9 @@ class _Loop:
     scorer: str  # the yes/no question each region is scored with
     label: str
     region: tuple[float, float, float, float]  # original pixels
+    # Regions searched at the next depth: the best cells of this depth (just ``region`` at
+    # beam 1, and before the first zoom).
+    frontier: list[tuple[float, float, float, float]] = field(default_factory=list)
     depth: int = 0
     crop: Image.Image | None = None
     call_text: str | None = None  # the <tool_call> of the last zoom
@@ -111,11 +114,12 @@ class SearchAgent(LoopAgent):
         max_new_tokens: int = 64,
         min_box: int = 28,
         stay: bool = False,
+        beam: int = 1,
     ) -> None:
         if answer_prompt not in ("deepeyes", "small"):
             raise ValueError("answer_prompt must be 'deepeyes' or 'small'")
-        if depth < 0 or grid < 1 or not 0 <= overlap < 1:
-            raise ValueError("need depth >= 0, grid >= 1 and 0 <= overlap < 1")
+        if depth < 0 or grid < 1 or not 0 <= overlap < 1 or beam < 1:
+            raise ValueError("need depth >= 0, grid >= 1, beam >= 1 and 0 <= overlap < 1")
         self.backend = backend
         self.depth, self.grid, self.overlap = depth, grid, overlap
         self.answer_prompt = answer_prompt
@@ -124,6 +128,9 @@ class SearchAgent(LoopAgent):
         # Score the current region alongside its cells and stop when it wins: a target that
         # fills the region is cut apart by every cell, so zooming further only loses it.
         self.stay = stay
+        # Keep the best ``beam`` cells of each depth and compare all their cells at the next:
+        # a coarse level that ranks the target's cell second is corrected where it is larger.
+        self.beam = beam
         max_pixels = getattr(backend, "max_pixels", 16384 * 28 * 28)
         # A region no larger than this is already shown at native resolution: zooming is useless.
         self.min_region = min_region if min_region is not None else int(math.sqrt(max_pixels))
@@ -174,7 +181,11 @@ class SearchAgent(LoopAgent):
         cells: list[tuple[_Loop, list[int], Image.Image, tuple[int, int, int, int]]] = []
         here: dict[int, int] = {}  # loop id -> index of its own region among the scored crops
         for lp in loops:
-            boxes = grid_boxes(lp.region, self.grid, self.overlap)
+            boxes = [
+                c
+                for r in lp.frontier or [lp.region]
+                for c in grid_boxes(r, self.grid, self.overlap)
+            ]
             if self.stay:
                 boxes = [lp.region, *boxes]
             for k, c in enumerate(boxes):
@@ -203,7 +214,8 @@ class SearchAgent(LoopAgent):
             if not mine:
                 lp.searching = False
                 continue
-            best_s, (_, mb, crop, box) = max(mine, key=lambda t: t[0])
+            ranked = sorted(mine, key=lambda t: -t[0])
+            best_s, (_, mb, crop, box) = ranked[0]
             if own is not None and scores[own] >= best_s:
                 lp.searching = False
                 lp.outcome.trace.append(
@@ -234,6 +246,7 @@ class SearchAgent(LoopAgent):
             )
             lp.depth += 1
             lp.region = tuple(float(v) for v in box)  # type: ignore[assignment]
+            lp.frontier = [tuple(float(v) for v in c[3]) for _, c in ranked[: self.beam]]
             lp.crop = crop
             args = {"bbox_2d": mb, "label": lp.label}
             lp.call_text = (

@@ -76,6 +76,7 @@ class AgentSettings:
     overlap: float = 0.25
     min_region: int | None = None  # search: stop zooming below this side (px); None = the view
     stay: bool = False  # search: stop where the current region outscores all its cells
+    beam: int = 1  # search: regions kept per depth
     max_tool_calls: int = 5  # zoom only
     max_new_tokens: int | None = None  # default: 64 for search, 1024 for zoom (as the CLI)
 
@@ -293,6 +294,7 @@ def make_agent(large, a: AgentSettings):
         answer_prompt=a.answer_prompt,
         max_new_tokens=a.max_new_tokens or 64,
         stay=a.stay,
+        beam=a.beam,
     )
 
 
