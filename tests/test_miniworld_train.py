@@ -182,10 +182,10 @@ def test_search_cell_questions_answer_what_each_cell_shows(tmp_path):
 
     be = T.load_backend(T.build_base(tmp_path, "small", T.TINY, 0))
     pool = load_pool("train")
-    answers = []
+    answers, near = [], 0
     for i in range(3):
         scene = generate_scene(scene_rng("train", 0, i), pool, canvas=T.CANVAS, regime="small")
-        rows = T.search_cell_questions(scene, random.Random(i), be, cells=3)
+        rows = T.search_cell_questions(scene, random.Random(i), be, cells=3, near_misses=2)
         level1 = [tuple(round(v) for v in c) for c in grid_boxes((0, 0, *T.CANVAS), 3, 0.25)]
         for r in rows:
             w, h = r["view"].size
@@ -201,12 +201,35 @@ def test_search_cell_questions_answer_what_each_cell_shows(tmp_path):
                 assert centred, r["question"]
             else:
                 assert r["answer_text"] == "no" and not touching, r["question"]
+                shown = [
+                    T.name_of(o)
+                    for o in r["objs"]
+                    if 0 <= (o[0] + o[2]) / 2 < w and 0 <= (o[1] + o[3]) / 2 < h
+                ]
+                if len(words) == 2 and words[1] != "object":
+                    near += any(c == words[0] or sh == words[1] for c, sh in shown)
             answers.append(r["answer_text"])
         # Both depths: depth-1 cells are grid cells of the canvas, depth-2 ones are smaller.
         zooms = sorted({r["zoom"] for r in rows})
         assert zooms[0] == round(T.CANVAS[0] / (level1[0][2] - level1[0][0]), 2)
         assert len(zooms) >= 2
     assert "yes" in answers and "no" in answers
+    # Near misses (pairs one attribute away from an object the cell shows) come on top of the
+    # plain questions: the same scenes and seeds without them give 6+ fewer.
+    plain = 0
+    for i in range(3):
+        scene = generate_scene(scene_rng("train", 0, i), pool, canvas=T.CANVAS, regime="small")
+        for r in T.search_cell_questions(scene, random.Random(i), be, cells=3):
+            words = r["question"][len("Is there a ") : -len(" in the image?")].split()
+            w, h = r["view"].size
+            shown = [
+                T.name_of(o)
+                for o in r["objs"]
+                if 0 <= (o[0] + o[2]) / 2 < w and 0 <= (o[1] + o[3]) / 2 < h
+            ]
+            if r["answer_text"] == "no" and len(words) == 2 and words[1] != "object":
+                plain += any(c == words[0] or sh == words[1] for c, sh in shown)
+    assert near >= plain + 6
 
 
 def test_packed_conversations_label_every_answer(tmp_path):

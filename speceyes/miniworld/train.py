@@ -302,6 +302,7 @@ def make_questions(
     zoom_max: float = 12.0,
     zoom_crops: int = 2,
     search_cells: int = 0,
+    near_misses: int = 0,
 ) -> list[dict]:
     """Scenes rendered on the fly (in memory), kept only as the model's view (+ zoom crops of
     the small-regime questions, relative position excepted: its reference is outside the crop)."""
@@ -352,7 +353,11 @@ def make_questions(
         if crops:
             rows.extend(zoom_questions(scene, crop_rng, backend, zoom_crops, zoom_max))
         if search_cells and regime == "small":
-            rows.extend(search_cell_questions(scene, crop_rng, backend, search_cells))
+            rows.extend(
+                search_cell_questions(
+                    scene, crop_rng, backend, search_cells, near_misses=near_misses
+                )
+            )
     return rows
 
 
@@ -474,8 +479,27 @@ def _existence_answers(shown: Sequence, partial: Sequence, names: Sequence[tuple
     return out
 
 
+def _near_misses(shown: Sequence, partial: Sequence, rng: random.Random, n: int) -> list:
+    """Up to ``n`` pairs that share a colour or a shape with an object in the crop but are in
+    neither what it shows nor what it cuts: the crop's adversarial negatives."""
+    seen = {(o.color, o.shape) for o in (*shown, *partial)}
+    near = {
+        p
+        for o in shown
+        for p in [*((o.color, s) for s in SHAPES), *((c, o.shape) for c in COLORS)]
+        if p not in seen
+    }
+    return rng.sample(sorted(near), min(n, len(near)))
+
+
 def search_cell_questions(
-    scene, rng: random.Random, backend, cells: int = 4, grid: int = 3, overlap: float = 0.25
+    scene,
+    rng: random.Random,
+    backend,
+    cells: int = 4,
+    grid: int = 3,
+    overlap: float = 0.25,
+    near_misses: int = 0,
 ) -> list[dict]:
     """Existence questions on the very cells the search agent scores, at its first two depths.
 
@@ -484,7 +508,9 @@ def search_cell_questions(
     cells that do not although the object is elsewhere in the scene. Depth 1 is the grid over
     the whole canvas; depth 2 the grid inside a depth-1 cell holding a random small object. Up
     to ``cells`` cells per depth, always including one that holds the object; each gets up to
-    4 yes and 4 no questions about the scene's own objects.
+    4 yes and 4 no questions about the scene's own objects, and ``near_misses`` more no's about
+    pairs one attribute away from an object it shows (what a search lands on for an absent
+    target).
     """
     from speceyes.agents.search import grid_boxes
 
@@ -510,6 +536,9 @@ def search_cell_questions(
             rng.shuffle(answers)
             yes = [a for a in answers if a[1] == "yes"][:4]
             no = [a for a in answers if a[1] == "no"][:4]
+            if near_misses:
+                pairs = _near_misses(shown, partial, rng, near_misses)
+                no += [(f"{c} {sh}", "no") for c, sh in pairs]
             for phrase, ans in yes + no:
                 rows.append(
                     {
@@ -892,6 +921,7 @@ def stage_b(args, role_dir: Path, size: ModelSize) -> dict:
         args.zoom_max,
         args.zoom_crops,
         args.search_cells,
+        args.cell_near_misses,
     )
     pairs = [p for r in train for p in examples_for(r, args.role, args.boxes, args.deepeyes)]
     if args.pack > 1:
@@ -1136,6 +1166,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         help="stage B: search-grid cells per depth with existence questions (small scenes)",
+    )
+    p.add_argument(
+        "--cell-near-misses",
+        type=int,
+        default=0,
+        help="stage B: extra no-questions per search cell about near misses of what it shows",
     )
     p.add_argument("--pack", type=int, default=1, help="stage B: questions per conversation")
     p.add_argument("--deepeyes", action="store_true", help="large role: train DeepEyes turns too")
