@@ -7,7 +7,9 @@ probability of "yes" to ``Is there a {target} in the image?``; the agent zooms i
 and repeats, up to ``depth`` times or until the region is shown at native resolution. The answer is
 then asked in the DeepEyes conversation shape: the question on the full image, an assistant
 ``<tool_call>`` with the chosen box (written by the agent, not the model), the crop returned as the
-real ``<tool_response>`` turn, and the model's ``<answer>``.
+real ``<tool_response>`` turn, and the model's ``<answer>``. ``beam`` keeps several cells per depth
+(all their cells compete at the next); ``stay`` scores the current region with its cells and stops
+where it wins, so a target that fills the region is not cut apart.
 
 Loops run in lockstep like :class:`speceyes.agents.zoom.ZoomAgent`: one batched scoring call for
 every searching loop's cells and one batched answer call for every answering loop per step.
