@@ -87,9 +87,9 @@ class _Loop:
     scorer: str  # the yes/no question each region is scored with
     label: str
     region: tuple[float, float, float, float]  # original pixels
-    # Regions searched at the next depth: the best cells of this depth (just ``region`` at
-    # beam 1, and before the first zoom).
-    frontier: list[tuple[float, float, float, float]] = field(default_factory=list)
+    # Regions searched at the next depth: the best ``beam`` cells of this depth, best first (so
+    # ``frontier[0]`` is ``region``); just the whole image before the first zoom.
+    frontier: list[tuple[float, float, float, float]]
     depth: int = 0
     crop: Image.Image | None = None
     call_text: str | None = None  # the <tool_call> of the last zoom
@@ -183,11 +183,7 @@ class SearchAgent(LoopAgent):
         cells: list[tuple[_Loop, list[int], Image.Image, tuple[int, int, int, int]]] = []
         here: dict[int, int] = {}  # loop id -> index of its own region among the scored crops
         for lp in loops:
-            boxes = [
-                c
-                for r in lp.frontier or [lp.region]
-                for c in grid_boxes(r, self.grid, self.overlap)
-            ]
+            boxes = [c for r in lp.frontier for c in grid_boxes(r, self.grid, self.overlap)]
             if self.stay:
                 boxes = [lp.region, *boxes]
             for k, c in enumerate(boxes):
@@ -301,13 +297,15 @@ class SearchAgent(LoopAgent):
     def start_loop(self, query: Query) -> _Loop:
         """Open a loop for ``query``; raises ImageError/ValueError for an unusable image."""
         image = load_image(query.image, copy=False)
+        whole = (0.0, 0.0, float(image.width), float(image.height))
         loop = _Loop(
             query=query,
             image=image,
             view=self.backend.view_of(image),
             scorer=score_question(query.question),
             label=target_phrase(query.question) or query.question.strip(),
-            region=(0.0, 0.0, float(image.width), float(image.height)),
+            region=whole,
+            frontier=[whole],
         )
         loop.searching = self._can_zoom(loop)
         return loop
