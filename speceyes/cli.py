@@ -75,7 +75,10 @@ def add_funnel_args(p: argparse.ArgumentParser) -> None:
         "(0-1), min_region (stop below this side in px; default the model's view side), answer "
         "(deepeyes: DeepEyes conversation with the crop; small: the small prompt on the crop), stay "
         "(1: also score the current region and stop zooming where it beats every cell), beam "
-        "(regions kept per depth; their cells all compete at the next depth). "
+        "(regions kept per depth; their cells all compete at the next depth), fill_view (1: "
+        "show each crop at the full view budget, upscaled, as the mini-world models were trained), "
+        "min_box (smallest zoom box side in pixels of the full image's view; default 28, the "
+        "DeepEyes check). "
         "Default depth=2,grid=2",
     )
     g.add_argument(
@@ -214,6 +217,8 @@ def _search_settings(text: str) -> dict:
         "answer": str,
         "stay": _flag,
         "beam": int,
+        "fill_view": _flag,
+        "min_box": int,
     }
     out: dict = {}
     for part in filter(None, (p.strip() for p in text.split(","))):

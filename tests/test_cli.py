@@ -82,6 +82,7 @@ def test_search_agent_settings_parse_and_reject_bad_keys():
     assert _search_settings("") == {}
     assert _search_settings("stay=1") == {"stay": True}
     assert _search_settings("stay=off,beam=2") == {"stay": False, "beam": 2}
+    assert _search_settings("fill_view=1,min_box=10") == {"fill_view": True, "min_box": 10}
     with pytest.raises(ValueError, match="stay needs 1 or 0"):
         _search_settings("stay=maybe")
     with pytest.raises(ValueError, match="K=V"):

@@ -249,3 +249,45 @@ def test_packed_conversations_label_every_answer(tmp_path):
         assert sum(c["type"] == "image" for c in images) == 1
         lab = [t for t in inputs["labels"][b].tolist() if t != -100]
         assert be.tokenizer.decode(lab) == "".join(a + "<|im_end|>" for a in answers)
+
+
+def test_search_cell_elsewhere_caps_the_plain_negatives(tmp_path):
+    import random
+    from collections import Counter
+
+    from speceyes.miniworld.scenes import generate_scene, load_pool, scene_rng
+
+    be = T.load_backend(T.build_base(tmp_path, "small", T.TINY, 0))
+    scene = generate_scene(scene_rng("train", 0, 1), load_pool("train"), T.CANVAS, "small")
+
+    def per_cell(**kw):
+        rows = T.search_cell_questions(scene, random.Random(1), be, cells=3, **kw)
+        return Counter((id(r["view"]), r["answer_text"]) for r in rows)
+
+    default, none, one = per_cell(), per_cell(elsewhere=0), per_cell(elsewhere=1)
+    assert max(n for (_, a), n in default.items() if a == "no") > 1
+    assert not [k for k in none if k[1] == "no"]  # only the yes questions are left
+    assert max(n for (_, a), n in one.items() if a == "no") == 1
+    assert sum(n for (_, a), n in one.items() if a == "yes") == sum(
+        n for (_, a), n in default.items() if a == "yes"
+    )
+
+
+def test_init_from_carries_the_auxiliary_heads(tmp_path):
+    import torch
+
+    _run(tmp_path / "a", "--stage", "B", "--scenes", "1", "--max-steps", "1")
+    src_path = tmp_path / "a" / "small" / "stage_B" / "ckpt.pt"
+    src = T.load_ckpt(src_path)
+    _run(
+        tmp_path / "b",
+        *("--stage", "B", "--scenes", "1", "--max-steps", "0", "--init-from", str(src_path)),
+    )
+    (init,) = [r for r in _log(tmp_path / "b" / "small") if r.get("event") == "init_from"]
+    assert init["heads"] == ["aux"] and init["tensors"] == len(src["model"])
+    got = T.load_ckpt(tmp_path / "b" / "small" / "stage_B" / "ckpt.pt")
+    assert got["aux"].keys() == src["aux"].keys()
+    for k, v in src["aux"].items():
+        assert torch.equal(got["aux"][k], v)
+    diff = [k for k, v in src["model"].items() if not torch.equal(got["model"][k], v)]
+    assert not diff, diff

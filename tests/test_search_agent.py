@@ -229,3 +229,27 @@ def test_ask_with_the_search_agent(tiny_dirs, tmp_path, capsys):
     data = json.loads(capsys.readouterr().out)
     assert rc == 0 and data["route"] == "agent_only"
     assert any(step["type"] == "zoom" for step in data["trace"])
+
+
+def test_fill_view_and_min_box_reach_a_third_depth(tiny_dirs):
+    from speceyes.backends.hf import HFBackend
+
+    # A 224-px view of a 1024-px image: 28 view px are 128 original px, so with the DeepEyes
+    # minimum the third depth's cells (about 66 px) are refused.
+    be = ScoreDouble(HFBackend(tiny_dirs["qwen2_5_vl"], max_pixels=224 * 224))
+    query = q(0, size=(1024, 1024), box=(700, 700, 720, 720))
+    runs = {}
+    for fill, min_box in ((False, 28), (True, 10)):
+        agent = SearchAgent(
+            be, depth=3, grid=3, min_region=64, max_new_tokens=4, fill_view=fill, min_box=min_box
+        )
+        (out,) = agent.run([query])
+        runs[fill] = [s for s in out.trace if s["type"] == "zoom"], out
+    zooms, out = runs[False]
+    assert len(zooms) == 2 and out.invalid_tool_calls == 9  # every depth-3 cell is too small
+    assert min(zooms[-1]["crop_size"]) < 224  # a 164-px crop at its native size
+    zooms, out = runs[True]
+    assert len(zooms) == 3 and out.invalid_tool_calls == 0
+    assert all(z["crop_size"] == [224, 224] for z in zooms)  # every crop fills the view
+    x1, y1, x2, y2 = zooms[-1]["crop_box"]
+    assert x2 - x1 < 128 and x1 <= 710 <= x2 and y1 <= 710 <= y2

@@ -117,6 +117,7 @@ class SearchAgent(LoopAgent):
         min_box: int = 28,
         stay: bool = False,
         beam: int = 1,
+        fill_view: bool = False,
     ) -> None:
         if answer_prompt not in ("deepeyes", "small"):
             raise ValueError("answer_prompt must be 'deepeyes' or 'small'")
@@ -133,6 +134,9 @@ class SearchAgent(LoopAgent):
         # Keep the best ``beam`` cells of each depth and compare all their cells at the next:
         # a coarse level that ranks the target's cell second is corrected where it is larger.
         self.beam = beam
+        # Show every crop at the full view budget (upscaled), not at its native size: a model
+        # trained on crops at that scale reads a small crop's objects at the size it learned.
+        self.fill_view = fill_view
         max_pixels = getattr(backend, "max_pixels", 16384 * 28 * 28)
         # A region no larger than this is already shown at native resolution: zooming is useless.
         self.min_region = min_region if min_region is not None else int(math.sqrt(max_pixels))
@@ -153,14 +157,15 @@ class SearchAgent(LoopAgent):
     ) -> tuple[Image.Image, tuple[int, int, int, int]]:
         b = self.backend
         factor = getattr(b, "factor", 28)
+        max_pixels = getattr(b, "max_pixels", 16384 * factor * factor)
         crop, _, box = zoom_crop(
             loop.image,
             loop.view,
             model_box,
             coords=b.box_coords,
             factor=factor,
-            min_pixels=getattr(b, "min_pixels", 4 * factor * factor),
-            max_pixels=getattr(b, "max_pixels", 16384 * factor * factor),
+            min_pixels=max_pixels if self.fill_view else getattr(b, "min_pixels", 4 * factor**2),
+            max_pixels=max_pixels,
             min_size=self.min_box,
         )
         return crop, box

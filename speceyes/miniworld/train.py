@@ -303,6 +303,7 @@ def make_questions(
     zoom_crops: int = 2,
     search_cells: int = 0,
     near_misses: int = 0,
+    elsewhere: int = 4,
 ) -> list[dict]:
     """Scenes rendered on the fly (in memory), kept only as the model's view (+ zoom crops of
     the small-regime questions, relative position excepted: its reference is outside the crop)."""
@@ -355,7 +356,12 @@ def make_questions(
         if search_cells and regime == "small":
             rows.extend(
                 search_cell_questions(
-                    scene, crop_rng, backend, search_cells, near_misses=near_misses
+                    scene,
+                    crop_rng,
+                    backend,
+                    search_cells,
+                    near_misses=near_misses,
+                    elsewhere=elsewhere,
                 )
             )
     return rows
@@ -500,6 +506,7 @@ def search_cell_questions(
     grid: int = 3,
     overlap: float = 0.25,
     near_misses: int = 0,
+    elsewhere: int = 4,
 ) -> list[dict]:
     """Existence questions on the very cells the search agent scores, at its first two depths.
 
@@ -508,9 +515,9 @@ def search_cell_questions(
     cells that do not although the object is elsewhere in the scene. Depth 1 is the grid over
     the whole canvas; depth 2 the grid inside a depth-1 cell holding a random small object. Up
     to ``cells`` cells per depth, always including one that holds the object; each gets up to
-    4 yes and 4 no questions about the scene's own objects, and ``near_misses`` more no's about
-    pairs one attribute away from an object it shows (what a search lands on for an absent
-    target).
+    4 yes and ``elsewhere`` no questions about the scene's own objects, and ``near_misses`` more
+    no's about pairs one attribute away from an object it shows (what a search lands on for an
+    absent target).
     """
     from speceyes.agents.search import grid_boxes
 
@@ -535,7 +542,7 @@ def search_cell_questions(
             answers = list(_existence_answers(shown, partial, names).items())
             rng.shuffle(answers)
             yes = [a for a in answers if a[1] == "yes"][:4]
-            no = [a for a in answers if a[1] == "no"][:4]
+            no = [a for a in answers if a[1] == "no"][:elsewhere]
             if near_misses:
                 pairs = _near_misses(shown, partial, rng, near_misses)
                 no += [(f"{c} {sh}", "no") for c, sh in pairs]
@@ -850,18 +857,41 @@ def _seed_or_resume(args, role_dir: Path, stage: str, ck: Path, model, opt, extr
     return s["step"], s.get("seconds", 0.0), True
 
 
-def _load_from_previous(backend, role_dir: Path, stage: str, init_from: Path | None) -> None:
+def _matching(own: dict, saved: dict) -> dict:
+    """The tensors of ``saved`` that ``own`` has, with the same shape."""
+    return {k: v for k, v in saved.items() if k in own and own[k].shape == v.shape}
+
+
+def _load_from_previous(
+    backend, role_dir: Path, stage: str, init_from: Path | None, extra: dict | None = None
+) -> None:
     """Start from ``init_from`` (any checkpoint of this size) or the previous stage's. Tensors
-    whose shape differs (an embedding of another vocabulary) keep their fresh initialisation."""
+    whose shape differs (an embedding of another vocabulary) keep their fresh initialisation.
+    The ``extra`` modules (auxiliary heads) are carried over where the checkpoint has them under
+    the same name: fresh heads would send noise into a trained vision tower for the first
+    hundred steps of a continuation."""
     prev = {"B": "A"}.get(stage)
     p = init_from or (role_dir / f"stage_{prev}" / "ckpt.pt" if prev else None)
     if p and p.is_file():
-        own = backend.model.state_dict()
-        sd = {
-            k: v for k, v in load_ckpt(p)["model"].items() if k in own and own[k].shape == v.shape
-        }
+        saved = load_ckpt(p)
+        sd = _matching(backend.model.state_dict(), saved["model"])
         backend.model.load_state_dict(sd, strict=False)
-        _log(role_dir, {"stage": stage, "event": "init_from", "path": str(p), "tensors": len(sd)})
+        heads = []
+        for name, module in (extra or {}).items():
+            got = _matching(module.state_dict(), saved.get(name) or {})
+            if got and len(got) == len(module.state_dict()):
+                module.load_state_dict(got)
+                heads.append(name)
+        _log(
+            role_dir,
+            {
+                "stage": stage,
+                "event": "init_from",
+                "path": str(p),
+                "tensors": len(sd),
+                "heads": heads,
+            },
+        )
 
 
 def stage_b(args, role_dir: Path, size: ModelSize) -> dict:
@@ -910,7 +940,7 @@ def stage_b(args, role_dir: Path, size: ModelSize) -> dict:
     )
     step, seconds, resumed = _seed_or_resume(args, role_dir, "B", ck, model, opt, {"aux": aux})
     if not resumed:
-        _load_from_previous(backend, role_dir, "B", args.init_from)
+        _load_from_previous(backend, role_dir, "B", args.init_from, {"aux": aux})
     t0 = time.time()
     train = make_questions(
         "train",
@@ -922,6 +952,7 @@ def stage_b(args, role_dir: Path, size: ModelSize) -> dict:
         args.zoom_crops,
         args.search_cells,
         args.cell_near_misses,
+        args.cell_elsewhere,
     )
     pairs = [p for r in train for p in examples_for(r, args.role, args.boxes, args.deepeyes)]
     if args.pack > 1:
@@ -1172,6 +1203,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         help="stage B: extra no-questions per search cell about near misses of what it shows",
+    )
+    p.add_argument(
+        "--cell-elsewhere",
+        type=int,
+        default=4,
+        help="stage B: at most this many no-questions per search cell about scene objects "
+        "outside it (default 4)",
     )
     p.add_argument("--pack", type=int, default=1, help="stage B: questions per conversation")
     p.add_argument("--deepeyes", action="store_true", help="large role: train DeepEyes turns too")
