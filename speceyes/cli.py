@@ -552,7 +552,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     mw = sub.add_parser(
         "miniworld",
-        help="generate mini-world scenes and questions (see docs/miniworld.md)",
+        help="generate mini-world scenes and questions (see docs/miniworld.md); "
+        "'miniworld train' trains the tiny models, 'miniworld probe MODEL' measures their "
+        "existence answers on the search agent's cells",
         add_help=False,
     )
     mw.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of the scene generator")
@@ -641,6 +643,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from speceyes.miniworld.train import main as train_main
 
         return int(train_main(argv[2:]) or 0)
+    if argv[:2] == ["miniworld", "probe"]:
+        from speceyes.miniworld.probe import main as probe_main
+
+        return int(probe_main(argv[2:]) or 0)
     if argv[:1] == ["miniworld"]:
         from speceyes.miniworld.scenes import main as scenes_main
 

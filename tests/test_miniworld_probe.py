@@ -21,6 +21,8 @@ def test_probe_reports_p_yes_per_depth_and_kind(tmp_path, capsys):
         assert v["n"] > 0 and 0.0 <= v["mean_p_yes"] <= 1.0 and 0.0 <= v["share_yes"] <= 1.0
     # Depth 1 asks about every cell of the 3x3 grid: each shows or misses each scene pair.
     assert table["depth 1/yes"]["n"] + table["depth 1/no-elsewhere"]["n"] >= 9
-    assert probe.main([str(base), "--scenes", "1", "--threads", "1"]) == 0
+    from speceyes.cli import main as cli_main
+
+    assert cli_main(["miniworld", "probe", str(base), "--scenes", "1", "--threads", "1"]) == 0
     out = capsys.readouterr().out
     assert "| depth 1/yes |" in out and "mean P(yes)" in out

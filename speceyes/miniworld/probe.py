@@ -12,7 +12,7 @@ shows the target and that of a cell showing something else. This probe measures 
 - ``no-absent``: a pair absent from the scene and sharing no attribute with what the cell
   shows (POPE random, mostly).
 
-Usage: ``python -m speceyes.miniworld.probe MODEL_DIR [--scenes 20]``.
+Usage: ``speceyes miniworld probe MODEL_DIR [--scenes 20]``.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def cell_existence(backend, scenes: int = 20, seed: int = 0) -> dict[str, dict]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m speceyes.miniworld.probe",
+        prog="speceyes miniworld probe",
         description="P(yes) of a model's existence answers on the search agent's cells, by kind "
         "of question (val split, small-regime scenes).",
     )
