@@ -76,7 +76,8 @@ def add_funnel_args(p: argparse.ArgumentParser) -> None:
         "(deepeyes: DeepEyes conversation with the crop; small: the small prompt on the crop), stay "
         "(1: also score the current region and stop zooming where it beats every cell), beam "
         "(regions kept per depth; their cells all compete at the next depth), fill_view (1: "
-        "show each crop at the full view budget, upscaled, as the mini-world models were trained), "
+        "show each crop with as many pixels as the full image's view, upscaled, as the "
+        "mini-world models were trained), "
         "min_box (smallest zoom box side in pixels of the full image's view; default 28, the "
         "DeepEyes check). "
         "Default depth=2,grid=2",

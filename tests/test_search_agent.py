@@ -253,3 +253,14 @@ def test_fill_view_and_min_box_reach_a_third_depth(tiny_dirs):
     assert all(z["crop_size"] == [224, 224] for z in zooms)  # every crop fills the view
     x1, y1, x2, y2 = zooms[-1]["crop_box"]
     assert x2 - x1 < 128 and x1 <= 710 <= x2 and y1 <= 710 <= y2
+
+
+def test_fill_view_never_exceeds_the_full_view(q25):
+    # A real model's budget (16384 * 28 * 28 pixels) is far above this image: crops are
+    # upscaled to the full image's view, not to the budget.
+    query = q(0, size=(700, 420), box=(600, 300, 640, 340))
+    (out,) = SearchAgent(q25, depth=1, max_new_tokens=4, fill_view=True).run([query])
+    view = q25.view_of(query.image)
+    (zoom,) = [s for s in out.trace if s["type"] == "zoom"]
+    w, h = zoom["crop_size"]
+    assert 0.8 * view.view_w * view.view_h <= w * h <= view.view_w * view.view_h

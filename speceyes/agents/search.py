@@ -134,8 +134,9 @@ class SearchAgent(LoopAgent):
         # Keep the best ``beam`` cells of each depth and compare all their cells at the next:
         # a coarse level that ranks the target's cell second is corrected where it is larger.
         self.beam = beam
-        # Show every crop at the full view budget (upscaled), not at its native size: a model
-        # trained on crops at that scale reads a small crop's objects at the size it learned.
+        # Show every crop with as many pixels as the full image's view (upscaled), not at its
+        # own size: a model trained on crops at that scale reads their objects at the size it
+        # learned. Never more than the view: with a real model's large budget that stays bounded.
         self.fill_view = fill_view
         max_pixels = getattr(backend, "max_pixels", 16384 * 28 * 28)
         # A region no larger than this is already shown at native resolution: zooming is useless.
@@ -164,7 +165,11 @@ class SearchAgent(LoopAgent):
             model_box,
             coords=b.box_coords,
             factor=factor,
-            min_pixels=max_pixels if self.fill_view else getattr(b, "min_pixels", 4 * factor**2),
+            min_pixels=(
+                min(max_pixels, loop.view.view_w * loop.view.view_h)
+                if self.fill_view
+                else getattr(b, "min_pixels", 4 * factor**2)
+            ),
             max_pixels=max_pixels,
             min_size=self.min_box,
         )

@@ -77,7 +77,7 @@ class AgentSettings:
     min_region: int | None = None  # search: stop zooming below this side (px); None = the view
     stay: bool = False  # search: stop where the current region outscores all its cells
     beam: int = 1  # search: regions kept per depth
-    fill_view: bool = False  # search: crops upscaled to the full view budget
+    fill_view: bool = False  # search: crops upscaled to the full image's view size
     min_box: int = 28  # search: smallest zoom box side, in pixels of the full image's view
     max_tool_calls: int = 5  # zoom only
     max_new_tokens: int | None = None  # default: 64 for search, 1024 for zoom (as the CLI)
