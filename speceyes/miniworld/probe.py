@@ -51,8 +51,7 @@ def cell_existence(backend, scenes: int = 20, seed: int = 0) -> dict[str, dict]:
             msgs, keys = [], []
             for box in level:
                 crop = T.crop_at_view(scene.image, box, backend)
-                shown = [o for o in scene.objects if T._inside(o, box)]
-                partial = [o for o in scene.objects if o not in shown and T._overlaps(o, box)]
+                shown, partial = T.objects_in_crop(scene.objects, box)
                 pairs = {(o.color, o.shape) for o in shown}
                 cut = {(o.color, o.shape) for o in partial}
                 asked = [(p, "yes") for p in sorted(pairs)]

@@ -383,6 +383,13 @@ def _overlaps(obj, box: Sequence[int]) -> bool:
     return x1 < box[2] and x2 > box[0] and y1 < box[3] and y2 > box[1]
 
 
+def objects_in_crop(objects: Sequence, box: Sequence[int]) -> tuple[list, list]:
+    """``(shown, cut)``: the objects a crop shows, and those it cuts by its edge. A question about
+    a cut object's attributes has no clear answer, so it is neither yes nor no."""
+    shown = [o for o in objects if _inside(o, box)]
+    return shown, [o for o in objects if o not in shown and _overlaps(o, box)]
+
+
 def zoom_questions(
     scene, rng: random.Random, backend, n_crops: int = 2, zoom_max: float = 12.0
 ) -> list[dict]:
@@ -407,9 +414,8 @@ def zoom_questions(
         box = (left, top, left + side, top + side)
         crop = crop_at_view(scene.image, box, backend)
         objs = layout_in(scene.objects, box, crop.size)
-        shown = [o for o in scene.objects if _inside(o, box)]
         # Partly shown objects make any answer about them ambiguous: leave their attributes out.
-        partial = [o for o in scene.objects if o not in shown and _overlaps(o, box)]
+        shown, partial = objects_in_crop(scene.objects, box)
         pairs = {(o.color, o.shape) for o in shown}
         colors, shapes = {c for c, _ in pairs}, {s for _, s in pairs}
         unclear_c = {o.color for o in partial}
@@ -537,8 +543,7 @@ def search_cell_questions(
         for box in chosen:
             crop = crop_at_view(scene.image, box, backend)
             objs = layout_in(scene.objects, box, crop.size)
-            shown = [o for o in scene.objects if _inside(o, box)]
-            partial = [o for o in scene.objects if o not in shown and _overlaps(o, box)]
+            shown, partial = objects_in_crop(scene.objects, box)
             answers = list(_existence_answers(shown, partial, names).items())
             rng.shuffle(answers)
             yes = [a for a in answers if a[1] == "yes"][:4]
@@ -878,8 +883,9 @@ def _load_from_previous(
         backend.model.load_state_dict(sd, strict=False)
         heads = []
         for name, module in (extra or {}).items():
-            got = _matching(module.state_dict(), saved.get(name) or {})
-            if got and len(got) == len(module.state_dict()):
+            own = module.state_dict()
+            got = _matching(own, saved.get(name) or {})
+            if got and len(got) == len(own):
                 module.load_state_dict(got)
                 heads.append(name)
         _log(
