@@ -30,11 +30,12 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from typing import Any, Literal, Protocol
 
 import numpy as np
 
-from speceyes import gate, prompts
+from speceyes import gate, protocols
 from speceyes.agents.base import AgentOutcome
 from speceyes.backends.base import Backend, BackendError, JudgeMode
 from speceyes.images import load_image
@@ -75,8 +76,10 @@ class FunnelConfig:
     schedule: Literal["batched", "pipelined"] = "batched"
     overlap: bool = False
     max_agent_loops: int = 32
+    protocol: str = "fair"  # or "published": the authors' prompts and rules (protocols.py)
 
     def validate(self) -> None:
+        protocols.check_protocol(self.protocol)
         if self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r}; choose from {', '.join(MODES)}")
         if self.schedule not in SCHEDULES:
@@ -139,6 +142,7 @@ class Funnel:
         if mode in ("speceyes", "both", "small") and small is None:
             raise ValueError(f"mode {mode!r} needs the small model")
         self.small, self.large, self.agent = small, large, agent
+        self._family = protocols.family_of(getattr(agent, "name", None), self.config.protocol)
         self.stats = FunnelStats()
         self._stats_lock = threading.Lock()
 
@@ -155,10 +159,15 @@ class Funnel:
 
     def iter_results(self, queries: Iterable[Query]) -> Iterator[Result]:
         """Results as soon as they are final (input order when batched, else completion order)."""
+        yield from self.iter_batches(_chunks(queries, self.config.batch_size))
+
+    def iter_batches(self, batches: Iterable[Sequence[Query]]) -> Iterator[Result]:
+        """Like ``iter_results`` over batches formed by the caller (a server's micro-batches);
+        the next batch is drawn only when the schedule is ready for it."""
         if self.config.schedule == "pipelined":
-            yield from self._iter_pipelined(queries)
+            yield from self._iter_pipelined(batches)
             return
-        for chunk in _chunks(queries, self.config.batch_size):
+        for chunk in batches:
             yield from self.run_batch(chunk)
 
     def run_batch(self, queries: Sequence[Query]) -> list[Result]:
@@ -190,7 +199,7 @@ class Funnel:
             return _Front(results, live, rest=idx, agent=idx)
         if cfg.mode == "small":
             self._phase_small(live, idx, results)
-            for i in idx:
+            for i in (i for i in idx if i in live):
                 results[i].route, results[i].answer = "small_only", results[i].small_answer or ""
             return _Front(results, live, rest=[], agent=[])
 
@@ -220,7 +229,7 @@ class Funnel:
         for i in accepted:
             results[i].route, results[i].answer = "small", results[i].small_answer or ""
         taken = set(accepted)
-        rest = [i for i in idx if i not in taken]
+        rest = [i for i in idx if i not in taken and i in live]  # failed queries dropped out
         return _Front(results, live, rest=rest, agent=idx if cfg.mode == "both" else rest)
 
     def _phase_judge(self, live: dict[int, Query], results: dict[int, Result]) -> list[int]:
@@ -229,18 +238,30 @@ class Funnel:
         idx = list(live)
         if not idx:
             return []
-        msgs = [prompts.judge_messages(live[i].image, live[i].question, live[i].options) for i in idx]
+        build = partial(protocols.judge_messages, cfg.protocol, self._family)
+        idx, msgs = self._messages(build, live, idx, results)
+        if not idx:
+            return []
         t0 = time.perf_counter()
         try:
-            p_tools = self.large.judge(msgs, mode=cfg.judge_mode)
+            p_tools = _per_query(
+                lambda m: protocols.judge(
+                    self.large, m, cfg.protocol, cfg.judge_mode, self._family
+                ),
+                msgs,
+            )
         except BackendError as e:
-            # A failed judgment is treated as "tools needed": correctness first.
-            p_tools = [1.0] * len(idx)
-            for i in idx:
-                results[i].trace.append({"type": "judge_error", "error": str(e)})
+            p_tools = [e] * len(idx)
         per = (time.perf_counter() - t0) / len(idx)
         to_small = []
         for i, p in zip(idx, p_tools, strict=True):
+            if isinstance(p, BackendError):
+                # A failed judgment is treated as "tools needed": correctness first.
+                results[i].trace.append({"type": "judge_error", "error": str(p)})
+                p = 1.0
+            elif isinstance(p, Exception):
+                self._fail(live, results, i, p)
+                continue
             r = results[i]
             r.p_tool = float(p)
             r.judge_tool = bool(p >= cfg.judge_threshold)
@@ -258,20 +279,37 @@ class Funnel:
         cfg = self.config
         if not idx:
             return
-        msgs = [prompts.small_messages(live[i].image, live[i].question, live[i].options) for i in idx]
+        build = partial(protocols.small_messages, cfg.protocol, self._family)
+        idx, msgs = self._messages(build, live, idx, results)
+        if not idx:
+            return
         t0 = time.perf_counter()
         try:
-            answers = self.small.answer(msgs, max_new_tokens=cfg.max_new_tokens, top_k=cfg.top_k)
+            got = _per_query(
+                lambda m: protocols.small_answers(
+                    self.small, m, cfg.protocol, max_new_tokens=cfg.max_new_tokens,
+                    top_k=cfg.top_k, agg=cfg.agg,
+                ),
+                msgs,
+            )
         except BackendError as e:
-            per = (time.perf_counter() - t0) / len(idx)
-            for i in idx:
-                results[i].timings["small"] = per
-                results[i].trace.append({"type": "small_error", "error": str(e)})
-            return
+            got = [e] * len(idx)
         per = (time.perf_counter() - t0) / len(idx)
+        answered = []
+        for i, a in zip(idx, got, strict=True):
+            if isinstance(a, BackendError):  # no speculative answer: the gate cannot accept
+                results[i].timings["small"] = per
+                results[i].trace.append({"type": "small_error", "error": str(a)})
+            elif isinstance(a, Exception):
+                self._fail(live, results, i, a)
+            else:
+                answered.append((i, a))
+        if not answered:
+            return
+        idx, answers = [i for i, _ in answered], [a for _, a in answered]
         t1 = time.perf_counter()
-        conf = gate.batch_confidence(
-            [a.topk for a in answers], top_k=cfg.top_k, agg=cfg.agg, alpha=cfg.alpha
+        conf = protocols.confidence(
+            self.small, answers, cfg.protocol, top_k=cfg.top_k, agg=cfg.agg, alpha=cfg.alpha
         )
         per_gate = (time.perf_counter() - t1) / len(idx)
         for i, a, c in zip(idx, answers, conf, strict=True):
@@ -282,6 +320,39 @@ class Funnel:
             r.timings["small"] = per
             r.timings["gate"] = per_gate
             r.trace.append({"type": "small", "text": a.text, "tokens": len(a.topk)})
+
+    # ---- one query's failure stays its own -------------------------------------------------
+    def _messages(
+        self,
+        build: Callable[..., list[dict]],
+        live: dict[int, Query],
+        idx: Sequence[int],
+        results: dict[int, Result],
+    ) -> tuple[list[int], list[list[dict]]]:
+        """Prompts of the live queries in ``idx``; a query whose prompt cannot be built fails."""
+        kept, msgs = [], []
+        for i in idx:
+            q = live.get(i)  # gone: failed in a phase running beside this one
+            if q is None:
+                continue
+            try:
+                msgs.append(build(q.image, q.question, q.options))
+            except Exception as e:
+                self._fail(live, results, i, e)
+                continue
+            kept.append(i)
+        return kept, msgs
+
+    def _fail(
+        self, live: dict[int, Query], results: dict[int, Result], i: int, e: BaseException
+    ) -> None:
+        """Query ``i`` ends as an error result; its batch-mates go on without it."""
+        if live.pop(i, None) is None:
+            return
+        r = results[i]
+        r.route, r.answer, r.error = "error", "", f"{type(e).__name__}: {e}"
+        with self._stats_lock:
+            self.stats.errors += 1
 
     # ---- phase IV -------------------------------------------------------------------------
     def _drive_loops(
@@ -309,7 +380,7 @@ class Funnel:
                 key, q = nxt
                 try:
                     loop = agent.start_loop(q)
-                except (OSError, ValueError) as e:
+                except Exception as e:  # this query's input broke the agent: only this one
                     yield key, AgentOutcome(answer="", error=f"{type(e).__name__}: {e}"), 0.0
                     continue
                 active.append((key, loop))
@@ -317,16 +388,27 @@ class Funnel:
             if not active:
                 return
             t0 = time.perf_counter()
-            agent.advance([lp for _, lp in active])
+            broken = self._advance(active)
             share = (time.perf_counter() - t0) / len(active)
             still = []
             for key, lp in active:
                 cost[id(lp)] += share
-                if lp.done:
+                if id(lp) in broken:
+                    e = broken[id(lp)]
+                    err = AgentOutcome(answer="", error=f"{type(e).__name__}: {e}")
+                    yield key, err, cost.pop(id(lp))
+                elif lp.done:
                     yield key, lp.outcome, cost.pop(id(lp))
                 else:
                     still.append((key, lp))
             active = still
+
+    def _advance(self, active: Sequence[tuple[Any, AgentLoop]]) -> dict[int, Exception]:
+        """One batched agent turn; if it raises, each loop's turn alone, so that a loop that
+        breaks the turn ends with its error and the others go on. Returns id(loop) -> error."""
+        loops = [lp for _, lp in active]
+        errors = _per_query(lambda ls: (self.agent.advance(ls), [None] * len(ls))[1], loops)
+        return {id(lp): e for lp, e in zip(loops, errors, strict=True) if e is not None}
 
     def _finish_agent(self, front: _Front, i: int, out: AgentOutcome, seconds: float) -> None:
         r = front.results[i]
@@ -345,7 +427,7 @@ class Funnel:
                 r.route = "agent_after_judge" if r.judge_tool else "agent_after_gate"
 
     # ---- pipelined schedule ---------------------------------------------------------------
-    def _iter_pipelined(self, queries: Iterable[Query]) -> Iterator[Result]:
+    def _iter_pipelined(self, batches: Iterable[Sequence[Query]]) -> Iterator[Result]:
         cfg = self.config
         done = object()
         out_q: queue.Queue = queue.Queue()
@@ -355,7 +437,7 @@ class Funnel:
 
         def front() -> None:
             try:
-                for chunk in _chunks(queries, cfg.batch_size):
+                for chunk in batches:
                     if stop.is_set():
                         return
                     f = self._front(chunk)
@@ -414,6 +496,26 @@ class Funnel:
                     threads[0].join(0.05)
             agent_q.put(done)
             threads[1].join(timeout=600)
+
+
+def _per_query(call: Callable[[list], Sequence[Any]], items: list) -> list[Any]:
+    """``call`` over the whole batch; if it raises anything but a ``BackendError`` (a server
+    that failed the batch as a whole), over each item alone, so that an item that breaks a
+    tokenizer, a prompt or a backend fails alone. Its slot then holds the exception."""
+    try:
+        return list(call(items))
+    except BackendError:
+        raise
+    except Exception as e:
+        if len(items) == 1:
+            return [e]
+    out: list[Any] = []
+    for item in items:
+        try:
+            out.extend(call([item]))
+        except Exception as e:  # BackendError included: this item's own failure now
+            out.append(e)
+    return out
 
 
 _EMPTY = object()  # nothing to take right now

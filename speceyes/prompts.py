@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-OPTION_LETTERS = "ABCDEFGHIJ"
+from speceyes.limits import OPTION_LETTERS
 
 # --- Phase I: tool-need judgment (large model) -------------------------------------------------
 JUDGE_SYSTEM = (

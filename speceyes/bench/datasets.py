@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from speceyes.limits import MAX_OPTIONS
 from speceyes.types import Query
 
 __all__ = [
@@ -151,8 +152,10 @@ def _iter_vstar_folder(folder: Path, shuffle: bool, seed: int) -> Iterator[Query
             or not all(isinstance(o, str) for o in options)
         ):
             raise BenchmarkFormatError(f"{ann_path}: 'options' must be a list of >= 2 strings")
-        if len(options) > len(LETTERS):
-            raise BenchmarkFormatError(f"{ann_path}: too many options ({len(options)})")
+        if len(options) > MAX_OPTIONS:
+            raise BenchmarkFormatError(
+                f"{ann_path}: too many options ({len(options)}; at most {MAX_OPTIONS})"
+            )
         name = img.stem
         perm = list(range(len(options)))
         if shuffle:
@@ -460,8 +463,10 @@ def load_jsonl(path: str | Path) -> Iterator[Query]:
                 raise BenchmarkFormatError(
                     f"{where}: 'options' must be a non-empty list of strings"
                 )
-            if len(options) > len(LETTERS):
-                raise BenchmarkFormatError(f"{where}: too many options ({len(options)})")
+            if len(options) > MAX_OPTIONS:
+                raise BenchmarkFormatError(
+                    f"{where}: too many options ({len(options)}; at most {MAX_OPTIONS})"
+                )
         answer = obj.get("answer")
         if answer is not None:
             answer = str(answer)
