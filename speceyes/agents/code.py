@@ -14,6 +14,14 @@ rewrites (crop boxes clamped to the image with a 64 px minimum, the placeholder 
 Backends continue a turn through a message flag: the conversation's last message is
 ``{"role": "assistant", "content": [...], "continue": True}``.
 
+``protocol="published"`` follows the loop SpecEyes ran (``eval_code_thyme/utils.py``
+``run_evaluation`` and ``eval_code_thyme/sandbox.py``): 5 generations of up to 2048 tokens; a
+code block that fails or shows nothing is dropped from the turn and the model generates again
+(the generation still counts); a segment with neither code nor an answer ends the loop, and no
+``<answer>`` in the turn makes the row an error; the code starts with ``os, math, Image,
+np/numpy, json, re, cv2, string, random`` and ``temp_output_dir`` defined, as the published
+sandbox's globals do; POPE is asked as ``Question: {q}\nPlease answer 'yes' or 'no'.``
+
 Unlike the published in-process ``exec``, the code runs in :class:`~speceyes.agents.sandbox.
 Sandbox` (a separate, isolated, resource-limited process per run). Variables do not persist
 from one code block to the next (Thyme pickled them between blocks). The model's text is never
@@ -40,7 +48,7 @@ from typing import Any
 
 from PIL import Image
 
-from speceyes import prompts
+from speceyes import prompts, protocols
 from speceyes.agents.base import AgentOutcome, LoopAgent, fallback_answer, last_answer
 from speceyes.agents.sandbox import DEFAULT_ALLOWED_MODULES, Sandbox, SandboxResult
 from speceyes.backends.base import Backend, Messages
@@ -80,6 +88,19 @@ _BOX_VARS = {
     "left_crop_coords", "right_crop_coords", "top_crop_coords", "bottom_crop_coords",
 }  # fmt: skip
 _YES_NO_CATEGORIES = ("adversarial", "popular", "random")  # POPE splits: Thyme's Y/N prompt
+# The published sandbox's globals and locals (sandbox.py _sandboxed_execution_target): names
+# its code could use without importing them. cv2 only where it is installed, as there.
+PUBLISHED_PRELUDE = (
+    "import os, math, json, re, string, random\n"
+    "import numpy\n"
+    "import numpy as np\n"
+    "from PIL import Image\n"
+    "try:\n"
+    "    import cv2\n"
+    "except ImportError:\n"
+    "    pass\n"
+    'temp_output_dir = "./"\n'
+)
 
 
 class CodeBlockError(ValueError):
@@ -260,6 +281,7 @@ class _Loop:
     parts: list[dict[str, Any]] = field(default_factory=list)  # the assistant turn so far
     tmpdir: str | None = None
     images_shown: int = 1
+    pending: str | None = None  # published: the segment whose code is running
     outcome: AgentOutcome = field(default_factory=lambda: AgentOutcome(answer=""))
     done: bool = False
     started: float = field(default_factory=time.perf_counter)
@@ -317,15 +339,20 @@ class CodeAgent(LoopAgent):
         backend: Backend,
         *,
         sandbox: Sandbox | None = None,
-        max_tool_calls: int = MAX_ITERATIONS,
-        max_new_tokens: int = 1024,
+        max_tool_calls: int | None = None,
+        max_new_tokens: int | None = None,
         max_images: int = MAX_IMAGES,
         workers: int = 4,
         sandbox_kwargs: dict[str, Any] | None = None,
+        protocol: str = "fair",
     ) -> None:
         self.backend = backend
-        self.max_tool_calls = max_tool_calls
-        self.max_new_tokens = max_new_tokens
+        self.protocol = protocols.check_protocol(protocol)
+        # None: the protocol's default (fair: MAX_ITERATIONS calls, 1024 tokens; published: the
+        # authors' generation budget and tokens per turn).
+        limits = protocols.loop_settings(protocol, "thyme")
+        self.max_tool_calls = limits.max_tool_calls if max_tool_calls is None else max_tool_calls
+        self.max_new_tokens = limits.agent_max_tokens if max_new_tokens is None else max_new_tokens
         # An engine's own per-prompt image limit (vLLM) must not fail the whole batch.
         cap = getattr(backend, "max_images", None)
         self.max_images = min(max_images, cap) if isinstance(cap, int) else max_images
@@ -392,9 +419,20 @@ class CodeAgent(LoopAgent):
             else:
                 image.save(path, format="PNG", compress_level=1)
         name = Sandbox.image_name_in_sandbox(path)
-        base = prompts.thyme_messages(
-            image, query.question, query.options, name, image.size, _question_kind(query)
-        )
+        if self.protocol == "published":
+            kind = "yorn" if _question_kind(query) == "yorn" else None
+            question = protocols.published_thyme_question(query.question, query.options, kind)
+            text = prompts.THYME_USER_TEMPLATE.format(
+                question=question, image_path=name, image_size=f"{image.width}x{image.height}"
+            )
+            base = [
+                {"role": "system", "content": prompts.THYME_SYSTEM},
+                {"role": "user", "content": [prompts.image_part(image), prompts.text_part(text)]},
+            ]
+        else:
+            base = prompts.thyme_messages(
+                image, query.question, query.options, name, image.size, _question_kind(query)
+            )
         return _Loop(query, image, path, name, base, tmpdir=tmpdir)
 
     def _append(self, loop: _Loop, *parts: dict[str, Any]) -> None:
@@ -416,6 +454,8 @@ class CodeAgent(LoopAgent):
 
     def _step(self, loop: _Loop, text: str, finish: str) -> tuple[str, str] | None:
         """Consume one generated segment; returns (code, code to run) when a block must run."""
+        if self.protocol == "published":
+            return self._step_published(loop, text, finish)
         out = loop.outcome
         out.turns += 1
         out.trace.append({"type": "assistant", "text": text, "finish": finish})
@@ -451,6 +491,65 @@ class CodeAgent(LoopAgent):
             return None
         w, h = loop.image.size
         return code, rewrite_code(code, w, h, loop.image_name)
+
+    # ---- the published loop --------------------------------------------------------------
+    def _published_end(self, loop: _Loop) -> None:
+        """The answer is the first <answer> of the assistant turn; none makes the row an error."""
+        found = re.search(r"<answer>(.*?)</answer>", loop.text, re.DOTALL)
+        loop.done = True
+        if found:
+            loop.outcome.answer = found.group(1).strip()
+        else:
+            loop.outcome.answer = "No answer tag found in the final output."
+            loop.outcome.error = "no <answer> in the final output"
+
+    def _step_published(self, loop: _Loop, text: str, finish: str) -> tuple[str, str] | None:
+        out = loop.outcome
+        out.turns += 1
+        out.trace.append({"type": "assistant", "text": text, "finish": finish})
+        if "</answer>" in text:
+            self._append(loop, prompts.text_part(text))
+            self._published_end(loop)
+            return None
+        found = _CODE.search(text)
+        if found is None:
+            self._published_end(loop)  # the segment itself is not kept, as published
+            return None
+        code = found.group(1).strip()
+        if any(p.search(code) for p in _DANGEROUS):
+            self._published_drop(loop, code, "Execution denied (dangerous pattern)")
+            return None
+        w, h = loop.image.size
+        loop.pending = text
+        return code, PUBLISHED_PRELUDE + rewrite_code(code, w, h, loop.image_name)
+
+    def _published_drop(self, loop: _Loop, code: str, why: str) -> None:
+        """A failed block is discarded; the generation counts against the budget."""
+        loop.outcome.invalid_tool_calls += 1
+        loop.outcome.trace.append({"type": "tool_error", "error": why, "code": code})
+        loop.pending = None
+        if loop.outcome.turns >= self.max_tool_calls:
+            self._published_end(loop)
+
+    def _deliver_published(self, loop: _Loop, code: str, ran: str, res: SandboxResult) -> None:
+        images, problem = self._images(loop, res.images) if res.ok and res.images else ([], None)
+        loop.outcome.trace.append(
+            {"type": "code", "code": code, "ran": ran, "ok": res.ok, "stdout": res.stdout,
+             "error": res.error, "images": len(res.images), "elapsed": round(res.elapsed, 6)}
+        )  # fmt: skip
+        shown = [prompts.image_part(im) for im in images]
+        if not shown and res.ok and not problem and res.stdout.strip():
+            shown = [prompts.text_part(res.stdout.strip())]
+        if not shown:  # an error, or nothing to show: the published loop regenerates
+            self._published_drop(loop, code, problem or res.error or "no output")
+            return
+        loop.outcome.tool_calls += 1
+        loop.images_shown += len(images)
+        self._append(loop, prompts.text_part(loop.pending or ""))
+        loop.pending = None
+        self._output(loop, *shown)
+        if loop.outcome.turns >= self.max_tool_calls:
+            self._published_end(loop)
 
     def _error_text(self, loop: _Loop, error: str) -> str:
         """The sandbox's error in the words Thyme's sandbox used (its last traceback line)."""
@@ -543,6 +642,8 @@ class CodeAgent(LoopAgent):
                 loop.outcome.error = f"sandbox: {type(res).__name__}: {res}"
                 loop.outcome.answer = fallback_answer(loop.text.split("<code>")[0])
                 loop.done = True
+            elif self.protocol == "published":
+                self._deliver_published(loop, code, ran, res)
             else:
                 self._deliver(loop, code, ran, res)
 

@@ -1,0 +1,334 @@
+"""Two evaluation protocols: ``fair`` (the default) and ``published`` (the authors' code).
+
+``fair`` is what the rest of speceyes documents: the DeepEyes eval's question layout, shuffled
+V* options, rule parsing, errors counted as wrong. ``published`` reproduces the released
+SpecEyes code (github.com/MAC-AutoML/SpecEyes, ``eval_code_deepeyes/`` and
+``eval_code_thyme/``) so its numbers can be compared with the paper's Table 1:
+
+* question block of ``init_messages_judge_tc`` (a triple-quoted template that keeps its
+  indentation) for DeepEyes, ``question_text.split('Please')[0]`` for Thyme;
+* the DeepEyes system prompt of SpecEyes' ``eval_code_deepeyes/prompt.py``;
+* judge: greedy, 10 new tokens, tool-free iff ``text.lower().startswith("no")`` (no strip);
+* every image shown to the judge and the small model is first resized by SpecEyes' own
+  ``smart_resize`` (factor 28, at most 16384*28*28 pixels, bicubic): the cap qwen-vl-utils
+  0.0.14 applies before the Qwen3-VL processor sees it;
+* batch size 6; ``log`` aggregation over the full vocabulary where the backend has it.
+
+The agent loop rules of each protocol live with the agents (``agents/zoom.py``,
+``agents/code.py``); the scoring rules in ``bench/published_scoring.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from speceyes import gate, prompts
+from speceyes.images import View, load_image
+from speceyes.types import Query, SpecAnswer
+
+PROTOCOLS: tuple[str, ...] = ("fair", "published")
+FAMILIES: tuple[str, ...] = ("deepeyes", "thyme")  # agent families the published code covers
+
+# --- published strings (each pinned by tests/test_protocols.py) --------------------------------
+# eval_code_deepeyes/prompt.py SYSTEM_PROMPT: pretty-printed tool JSON, "required":["bbox_2d"],
+# its own descriptions, and a trailing newline.
+PUBLISHED_DEEPEYES_SYSTEM = (
+    "You are a helpful assistant.\n"
+    "\n"
+    "# Tools\n"
+    "You may call one or more functions to assist with the user query.\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n"
+    "<tools>\n"
+    '{"type":"function","function":{\n'
+    '    "name":"image_zoom_in_tool",\n'
+    '    "description":"Zoom in on a specific region of the input image by cropping it based on '
+    'a bounding box (bbox) and an optional object label.",\n'
+    '    "parameters":{\n'
+    '        "type":"object",\n'
+    '        "properties":{\n'
+    '            "bbox_2d":{"type":"array","items":{"type":"number"},"minItems":4,"maxItems":4,'
+    '"description":"The bounding box to zoom in, format: [x1, y1, x2, y2]."},\n'
+    '            "label":{"type":"string","description":"Label of the object (optional)."}\n'
+    "        },\n"
+    '        "required":["bbox_2d"]\n'
+    "    }\n"
+    "}}\n"
+    "</tools>\n"
+    "\n"
+    "# How to call a tool\n"
+    "Return a json object with function name and arguments within <tool_call></tool_call> XML "
+    "tags:\n"
+    "<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n'
+    "</tool_call>\n"
+    "\n"
+    "**Example**:  \n"
+    "<tool_call>  \n"
+    '{"name": "image_zoom_in_tool", "arguments": {"bbox_2d": [10, 20, 100, 200], "label": '
+    '"the apple on the desk"}}  \n'
+    "</tool_call>\n"
+)
+# eval_code_deepeyes/SpecEyes.py init_messages_judge_tc: the templates keep the 8 spaces of
+# their indentation inside the triple quotes.
+_INDENT = " " * 8
+PUBLISHED_BLOCK_OPTIONS = "Question: {question}\n" + _INDENT + "Options: {options}\n" + _INDENT
+PUBLISHED_BLOCK_PLAIN = "Question: {question}\n" + _INDENT
+PUBLISHED_DEEPEYES_LETTERS = "ABCDEF"  # abc_map in eval_code_deepeyes/utils.py
+# eval_code_thyme/SpecEyes.py: build_mc_question_text and load_pope_data_generator.
+PUBLISHED_THYME_MCQ = "Question: {question}\nOptions:\n{options}\n" + prompts.THYME_MCQ_EN
+PUBLISHED_THYME_YORN = "Question: {question}\nPlease answer 'yes' or 'no'."
+PUBLISHED_THYME_SPLIT = "Please"  # the judge/small text is question_text.split('Please')[0]
+
+# eval_code_*/utils.py: IMAGE_FACTOR, MIN_PIXELS, MAX_PIXELS of SpecEyes' own smart_resize.
+PUBLISHED_FACTOR = 28
+PUBLISHED_MIN_PIXELS = 4 * 28 * 28
+PUBLISHED_MAX_PIXELS = 16384 * 28 * 28
+PUBLISHED_JUDGE_TOKENS = 10  # get_batch_response(short_answer=True)
+PUBLISHED_BATCH_SIZE = 6  # --batch_size default of both eval scripts
+
+
+@dataclass(frozen=True)
+class LoopSettings:
+    """Defaults that depend on the protocol and the agent."""
+
+    batch_size: int
+    agent_max_tokens: int
+    max_tool_calls: int
+
+
+_FAIR = LoopSettings(batch_size=8, agent_max_tokens=1024, max_tool_calls=5)
+_PUBLISHED = {
+    # process_single_large_model: `step_id > 5` ends the row, so 6 generations of 512 tokens.
+    "deepeyes": LoopSettings(PUBLISHED_BATCH_SIZE, agent_max_tokens=512, max_tool_calls=6),
+    # eval_code_thyme/utils.py: MAX_ITERATIONS = 5, MAX_NEW_TOKENS_PER_STEP = 2048.
+    "thyme": LoopSettings(PUBLISHED_BATCH_SIZE, agent_max_tokens=2048, max_tool_calls=5),
+}
+
+
+def check_protocol(protocol: str) -> str:
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"unknown protocol {protocol!r}; choose from {', '.join(PROTOCOLS)}")
+    return protocol
+
+
+def family_of(agent_name: str | None, protocol: str) -> str:
+    """The agent family whose published layout applies; ``published`` covers DeepEyes and
+    Thyme only (the small-only mode uses the DeepEyes layout, as the authors' small-model
+    script does)."""
+    check_protocol(protocol)
+    name = agent_name or "deepeyes"
+    if protocol == "published" and name not in FAMILIES:
+        raise ValueError(
+            f"the published protocol covers the deepeyes and thyme agents, not {name!r}"
+        )
+    return name if name in FAMILIES else "deepeyes"
+
+
+def loop_settings(protocol: str, agent: str = "deepeyes") -> LoopSettings:
+    if check_protocol(protocol) == "fair":
+        return _FAIR
+    return _PUBLISHED[family_of(agent, protocol)]
+
+
+# --- question text ---------------------------------------------------------------------------
+def published_question_block(question: str, options: Sequence[str] | None) -> str:
+    """SpecEyes' DeepEyes block: ``"Question: q\\n        Options: \\nA. x\\nB. y\\n\\n        "``."""
+    if not options:
+        return PUBLISHED_BLOCK_PLAIN.format(question=question)
+    if len(options) > len(PUBLISHED_DEEPEYES_LETTERS):
+        raise ValueError(
+            f"the published DeepEyes code letters at most {len(PUBLISHED_DEEPEYES_LETTERS)} "
+            f"options, got {len(options)}"
+        )
+    opts = "\n" + "".join(f"{PUBLISHED_DEEPEYES_LETTERS[i]}. {o}\n" for i, o in enumerate(options))
+    return PUBLISHED_BLOCK_OPTIONS.format(question=question, options=opts)
+
+
+def published_thyme_question(
+    question: str, options: Sequence[str] | None, kind: str | None = None
+) -> str:
+    """The question text Thyme's published eval gives the agent (``kind="yorn"``: POPE).
+    Free-form questions (no published benchmark has them) keep Thyme's own VQA suffix."""
+    if options:
+        if len(options) > len(prompts.OPTION_LETTERS):
+            raise ValueError(f"at most {len(prompts.OPTION_LETTERS)} options are supported")
+        lines = "\n".join(f"{prompts.OPTION_LETTERS[i]}. {o}" for i, o in enumerate(options))
+        return PUBLISHED_THYME_MCQ.format(question=question, options=lines)
+    if kind == "yorn":
+        return PUBLISHED_THYME_YORN.format(question=question)
+    return prompts.thyme_question(question, None, kind)
+
+
+def thyme_kind(query: Query) -> str | None:
+    """ "mcq", "yorn" (a POPE split) or None (free-form), as the Thyme prompts tell them apart."""
+    if query.options:
+        return "mcq"
+    return "yorn" if query.category in ("adversarial", "popular", "random") else None
+
+
+def question_text(protocol: str, family: str, question: str, options: Sequence[str] | None) -> str:
+    """The text phases I and II put before their suffix. Under ``published`` with Thyme a
+    question without options is taken as POPE's (the only such published benchmark)."""
+    if check_protocol(protocol) == "fair":
+        return prompts.question_block(question, options)
+    if family == "thyme":
+        kind = "mcq" if options else "yorn"
+        full = published_thyme_question(question, options, kind)
+        return full.split(PUBLISHED_THYME_SPLIT)[0]
+    return published_question_block(question, options)
+
+
+# --- images ----------------------------------------------------------------------------------
+def published_smart_resize(width: int, height: int) -> tuple[int, int]:
+    """SpecEyes' own smart_resize (utils.py) as it is called: (width, height) in, out.
+
+    It has no aspect-ratio check and, unlike qwen-vl-utils, no ``max(factor, ...)`` after the
+    floor; the two sides are treated alike, so the swapped argument order is harmless.
+    """
+    f = PUBLISHED_FACTOR
+
+    def side(x: float, fn: Any) -> int:
+        return fn(x / f) * f
+
+    w_bar = max(f, round(width / f) * f)
+    h_bar = max(f, round(height / f) * f)
+    if w_bar * h_bar > PUBLISHED_MAX_PIXELS:
+        beta = math.sqrt(width * height / PUBLISHED_MAX_PIXELS)
+        w_bar, h_bar = side(width / beta, math.floor), side(height / beta, math.floor)
+    elif w_bar * h_bar < PUBLISHED_MIN_PIXELS:
+        beta = math.sqrt(PUBLISHED_MIN_PIXELS / (width * height))
+        w_bar, h_bar = side(width * beta, math.ceil), side(height * beta, math.ceil)
+    return w_bar, h_bar
+
+
+def published_view(image: Any) -> tuple[Image.Image, View]:
+    """The image as the published code hands it to both models (resized, bicubic) and its view."""
+    img = load_image(image, copy=False)
+    w, h = published_smart_resize(img.width, img.height)
+    view = View(img.width, img.height, w, h)
+    if (w, h) == img.size:
+        return img, view
+    return img.resize((w, h), Image.Resampling.BICUBIC), view
+
+
+# --- phase I and II messages -----------------------------------------------------------------
+def _messages(system: str, image: Any, text: str) -> list[dict]:
+    return [
+        {"role": "system", "content": system},
+        {"role": "user", "content": [prompts.image_part(image), prompts.text_part(text)]},
+    ]
+
+
+def judge_messages(
+    protocol: str, family: str, image: Any, question: str, options: Sequence[str] | None = None
+) -> list[dict]:
+    if check_protocol(protocol) == "fair":
+        return prompts.judge_messages(image, question, options)
+    text = question_text(protocol, family, question, options) + prompts.JUDGE_SUFFIX
+    return _messages(prompts.JUDGE_SYSTEM, published_view(image)[0], text)
+
+
+def small_messages(
+    protocol: str, family: str, image: Any, question: str, options: Sequence[str] | None = None
+) -> list[dict]:
+    if check_protocol(protocol) == "fair":
+        return prompts.small_messages(image, question, options)
+    text = question_text(protocol, family, question, options) + prompts.SMALL_SUFFIX
+    return _messages(prompts.SMALL_SYSTEM, published_view(image)[0], text)
+
+
+def published_judge_tool(text: str) -> bool:
+    """The published routing: tool-free iff the decoded reply, lower-cased, starts with "no"
+    (a leading space or newline therefore means tools)."""
+    return not text.lower().startswith("no")
+
+
+def judge(
+    backend: Any, batch: Sequence[list[dict]], protocol: str, mode: str, family: str
+) -> list[float]:
+    """P(tool) per conversation: the backend's judge under ``fair``; under ``published`` a
+    10-token greedy decode with the agent's stop strings and the published rule (0.0 or 1.0)."""
+    if check_protocol(protocol) == "fair":
+        return backend.judge(batch, mode=mode)
+    stop = prompts.THYME_STOP if family == "thyme" else prompts.DEEPEYES_STOP
+    turns = backend.chat(batch, stop=stop, max_new_tokens=PUBLISHED_JUDGE_TOKENS)
+    return [1.0 if published_judge_tool(t.text) else 0.0 for t in turns]
+
+
+# --- phase II answers and phase III confidence -----------------------------------------------
+# Backends whose answer(top_k >= vocabulary) returns whole logit rows, and those whose top-K
+# values are logprobs (a server's top-1 logprob is already over the full vocabulary).
+_FULL_LOGITS_BACKENDS = ("HFBackend",)
+_LOGPROB_BACKENDS = ("OpenAIBackend", "VLLMBackend")
+_WHOLE_VOCAB = 1 << 30
+
+
+def _full_vocab(protocol: str, agg: str) -> bool:
+    return protocol == "published" and agg == "log"
+
+
+def to_logprobs(rows: np.ndarray, top_k: int) -> np.ndarray:
+    """Whole logit rows [tokens, V] -> their top-K as logprobs (full-vocabulary softmax).
+
+    A per-token shift, so separability is unchanged; ``exp`` of the first column is then the
+    full-vocabulary max-softmax probability."""
+    rows = np.asarray(rows, dtype=np.float64)
+    if rows.ndim != 2 or rows.shape[0] == 0:
+        return np.asarray(rows, dtype=np.float32)
+    top = rows.max(axis=1, keepdims=True)
+    lse = top + np.log(np.exp(rows - top).sum(axis=1, keepdims=True))
+    k = min(top_k, rows.shape[1])
+    best = -np.sort(-rows, axis=1)[:, :k]
+    return np.ascontiguousarray(best - lse, dtype=np.float32)
+
+
+def small_answers(
+    backend: Any,
+    batch: Sequence[list[dict]],
+    protocol: str,
+    *,
+    max_new_tokens: int,
+    top_k: int,
+    agg: str,
+) -> list[SpecAnswer]:
+    """Speculative answers with their top-K values per token.
+
+    Under ``published`` with ``agg="log"`` the transformers backend is asked for whole rows,
+    which are turned into top-K logprobs (see :func:`to_logprobs`)."""
+    if _full_vocab(protocol, agg) and type(backend).__name__ in _FULL_LOGITS_BACKENDS:
+        answers = backend.answer(batch, max_new_tokens=max_new_tokens, top_k=_WHOLE_VOCAB)
+        for a in answers:
+            a.topk = to_logprobs(a.topk, top_k)
+        return answers
+    return backend.answer(batch, max_new_tokens=max_new_tokens, top_k=top_k)
+
+
+def confidence(
+    backend: Any,
+    answers: Sequence[SpecAnswer],
+    protocol: str,
+    *,
+    top_k: int,
+    agg: str,
+    alpha: float,
+) -> np.ndarray:
+    """The gate's confidence per answer (NaN where it has none).
+
+    ``published`` + ``log``: ``exp(mean log p_max)`` with p_max over the full vocabulary, as
+    the released code computes it, where the values are logprobs; elsewhere the max-softmax
+    over the top-K (``fair``)."""
+    kinds = _FULL_LOGITS_BACKENDS + _LOGPROB_BACKENDS
+    if _full_vocab(protocol, agg) and type(backend).__name__ in kinds:
+        out = np.full(len(answers), np.nan)
+        for j, a in enumerate(answers):
+            rows = np.asarray(a.topk, dtype=np.float64)
+            if rows.ndim == 2 and rows.shape[0] and np.isfinite(rows[:, 0]).all():
+                out[j] = float(np.exp(rows[:, 0].mean()))
+        return out
+    return gate.batch_confidence([a.topk for a in answers], top_k=top_k, agg=agg, alpha=alpha)
