@@ -275,3 +275,78 @@ def test_thyme_published_no_answer_is_an_error():
     with CodeAgent(Scripted(["<think>I am not sure</think>"]), protocol="published") as agent:
         out = agent.run([_query()])[0]
     assert out.error and out.answer == "No answer tag found in the final output."
+
+
+# ---- speceyes prompts / report --protocol / eval --image-dir -----------------------------------
+def _vstar_root(tmp_path):
+    for cat in ("direct_attributes", "relative_position"):
+        folder = tmp_path / cat
+        folder.mkdir()
+        make_scene(size=(1000, 600)).save(folder / "sa_1.jpg")
+        ann = {"question": "What is the color of the cup?", "options": ["red", "blue"]}
+        (folder / "sa_1.json").write_text(json.dumps(ann))
+    return tmp_path
+
+
+def test_prompts_command_shows_the_reference_judge_text(tmp_path, capsys):
+    from speceyes.cli import main
+
+    root = _vstar_root(tmp_path)
+    args = ["prompts", "--bench", "vstar", "--data", str(root), "--limit", "1", "--no-shuffle"]
+    assert main([*args, "--protocol", "published"]) == 0
+    out = json.loads(capsys.readouterr().out)[0]
+    judge_text = out["judge"][1]["content"][1]["text"]
+    assert judge_text == VSTAR_BLOCK + JUDGE_USER  # byte for byte
+    assert out["judge"][1]["content"][0] == {"type": "image", "size": [1008, 588]}
+    assert out["agent_first_turn"][0]["content"] == protocols.PUBLISHED_DEEPEYES_SYSTEM
+    assert main([*args, "--protocol", "fair", "--agent", "thyme"]) == 0
+    fair = json.loads(capsys.readouterr().out)[0]
+    assert fair["judge"][1]["content"][1]["text"] == prompts.question_block(
+        "What is the color of the cup?", ["red", "blue"]
+    ) + JUDGE_USER
+    assert fair["agent_first_turn"][0]["content"] == prompts.THYME_SYSTEM
+
+
+def test_report_rescores_a_run_both_ways(tmp_path, capsys):
+    from speceyes.cli import main
+
+    run = tmp_path / "run"
+    run.mkdir()
+    samples = [
+        {"id": "1", "category": "direct_attributes", "question": "q", "options": ["red", "blue"],
+         "answer": "A", "prediction": "A", "correct": True, "route": "small", "error": None},
+        {"id": "2", "category": "direct_attributes", "question": "q", "options": ["red", "blue"],
+         "answer": "A", "prediction": "red", "correct": True, "route": "small", "error": None},
+        {"id": "3", "category": "direct_attributes", "question": "q", "options": ["red", "blue"],
+         "answer": "A", "prediction": "", "correct": False, "route": "agent_after_judge",
+         "error": "Step exceeds maximum number of steps"},
+    ]  # fmt: skip
+    (run / "samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
+    (run / "results.json").write_text(json.dumps({"config": {"bench": "vstar"}}))
+    assert main(["report", str(run), "--protocol", "fair"]) == 0
+    fair = capsys.readouterr().out
+    assert "| 3 | 1 (wrong) | 66.67 |" in fair
+    assert main(["report", str(run), "--protocol", "published"]) == 0
+    pub = capsys.readouterr().out
+    assert "| 2 | 1 (dropped) | 50.00 |" in pub and "1 rows need the LLM judge" in pub and ": 2" in pub
+
+
+def test_eval_passes_image_dir_to_the_pope_jsonl_loader(tmp_path):
+    from speceyes.cli import build_parser
+
+    args = build_parser().parse_args(
+        ["eval", "--bench", "pope", "--data", "coco_pope_random.json", "--image-dir", "val2014",
+         "--small", "s", "--large", "l"]
+    )  # fmt: skip
+    assert args.image_dir == "val2014"
+    from speceyes.bench.datasets import load_pope
+
+    img_dir = tmp_path / "val2014"
+    img_dir.mkdir()
+    make_scene().save(img_dir / "COCO_val2014_000000000001.jpg")
+    line = {"question_id": 1, "image": "COCO_val2014_000000000001.jpg",
+            "text": "Is there a dog in the image?", "label": "no"}  # fmt: skip
+    path = tmp_path / "coco_pope_random.json"
+    path.write_text(json.dumps(line) + "\n")
+    (q,) = list(load_pope(path, image_dir=img_dir))
+    assert q.answer == "no" and q.category == "random"

@@ -269,3 +269,67 @@ def write_report(run_dirs: Sequence[str | Path | Run], out_dir: str | Path) -> l
 
 def _slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_") or "run"
+
+
+# ---- one run scored by either protocol's rules --------------------------------------------------
+def _bench(run: Run) -> str:
+    bench = run.config.get("bench") or run.results.get("bench")
+    if not bench:
+        raise ValueError(f"{run.path}: the run does not name its benchmark (run config 'bench')")
+    return str(bench)
+
+
+def rescore(
+    run_dirs: Sequence[str | Path | Run], protocol: str, ask: Any = None
+) -> tuple[str, list[dict[str, Any]]]:
+    """Score logged runs by ``fair`` rules (errors count wrong, chosen letter parsed) or by the
+    ``published`` judge scripts' rules (``bench/published_scoring.py``); markdown and rows.
+
+    ``ask(system, prompt)`` is the LLM judge for the published fallbacks; without it the rows
+    that needed it are counted wrong and listed."""
+    from speceyes import protocols
+    from speceyes.bench import published_scoring, scoring
+
+    protocols.check_protocol(protocol)
+    rows = []
+    for run in _load_all(run_dirs):
+        bench = _bench(run)
+        if protocol == "fair":
+            m = scoring.compute_metrics(bench, run.samples)
+            per = {
+                k: v["accuracy"] if isinstance(v, dict) else v
+                for k, v in (m.get("per_category") or m.get("per_split") or {}).items()
+            }
+            rows.append({"run": run.name, "bench": bench, "protocol": protocol, "n": m["n"],
+                         "errors": m["n_errors"], "errors_counted": "wrong",
+                         "accuracy": m["accuracy"], "per_category": per, "llm_judged": 0,
+                         "needs_llm_judge": []})  # fmt: skip
+            continue
+        s = published_scoring.score_records(bench, run.samples, ask)
+        d = s.to_dict()
+        rows.append({"run": run.name, "bench": bench, "protocol": protocol, "n": s.n,
+                     "errors": s.n_errors, "errors_counted": "dropped", "accuracy": s.accuracy,
+                     "per_category": {k: v["accuracy"] for k, v in d["per_category"].items()},
+                     "llm_judged": s.judged, "needs_llm_judge": s.needs_judge})  # fmt: skip
+    lines = [
+        "| run | bench | protocol | n scored | errors | accuracy | per category | LLM-judged "
+        "| needed an LLM judge |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        cats = ", ".join(f"{k} {_pct(v)}" for k, v in r["per_category"].items())
+        need = len(r["needs_llm_judge"])
+        lines.append(
+            f"| {r['run']} | {r['bench']} | {r['protocol']} | {r['n']} | {r['errors']} "
+            f"({r['errors_counted']}) | {_pct(r['accuracy'])} | {cats} | {r['llm_judged']} "
+            f"| {need} |"
+        )
+    for r in rows:
+        if r["needs_llm_judge"]:
+            ids = ", ".join(r["needs_llm_judge"][:50])
+            more = len(r["needs_llm_judge"]) - 50
+            lines.append(
+                f"\n{r['run']}: {len(r['needs_llm_judge'])} rows need the LLM judge (counted "
+                f"wrong; pass --llm-judge URL): {ids}" + (f" ... and {more} more" if more > 0 else "")
+            )
+    return "\n".join(lines), rows
