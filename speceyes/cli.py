@@ -1,14 +1,13 @@
-"""Command line: speceyes ask | demo | eval | report | view | regate | calibrate | serve."""
+"""Command line: speceyes ask | demo | eval | report | regate | calibrate | serve."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections.abc import Sequence
 
-from speceyes import gate, limits
+from speceyes import gate
 
 ROUTE_TEXT = {
     "small": "small model (judged tool-free, accepted by the gate)",
@@ -135,27 +134,19 @@ def funnel_config(args: argparse.Namespace):
     from speceyes.funnel import FunnelConfig
 
     tau, top_k, agg = args.tau, args.top_k, args.agg
-    gate_kw: dict = {"judge_mode": args.judge_mode}
     if getattr(args, "calibration", None):
-        from speceyes.bench.calibrate import check_setup, read_calibration
+        from speceyes.bench.calibrate import read_calibration
 
-        # The file holds the whole gate and judge setting it was calibrated with, and must
-        # have been made for these models (a tau is only valid for its setup).
         cal = read_calibration(args.calibration)
-        check_setup(cal, args.small, args.large, getattr(args, "agent", None))
         tau = cal.tau if tau is None else tau
-        top_k, agg, gate_kw["alpha"] = cal.top_k, cal.agg, cal.alpha
-        if cal.judge_mode:
-            gate_kw["judge_mode"] = cal.judge_mode
-        if cal.judge_threshold is not None:
-            gate_kw["judge_threshold"] = cal.judge_threshold
+        top_k, agg = cal.top_k, cal.agg
     _protocol_defaults(args)
     return FunnelConfig(
         mode=args.mode,
         tau=gate.DEFAULT_TAU[getattr(args, "agent", "deepeyes")] if tau is None else tau,
         top_k=top_k,
         agg=agg,
-        **gate_kw,
+        judge_mode=args.judge_mode,
         batch_size=args.batch_size,
         schedule=args.schedule,
         overlap=args.overlap,
@@ -418,32 +409,11 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_view(args: argparse.Namespace) -> int:
-    from speceyes.view import build_view
-
-    res = build_view(
-        args.runs, args.out, data=args.data, thumb_side=args.thumb_size, full_side=args.full_size
-    )
-    for note in res.notes:
-        print(f"note: {note}", file=sys.stderr)
-    print(
-        f"{res.cards} queries; images: {res.images_made} made, {res.images_reused} reused",
-        file=sys.stderr,
-    )
-    print(res.index.resolve())
-    return 0
-
-
 def cmd_regate(args: argparse.Namespace) -> int:
-    from speceyes.bench.regate import default_taus, format_table, in_sample_note, regate
+    from speceyes.bench.regate import default_taus, format_table, regate
     from speceyes.bench.runlog import load_run
 
     run = load_run(args.run, require_results=False)
-    if args.split:
-        from speceyes.bench.splits import parse_split, split_run
-
-        split = parse_split(args.split, args.seed)
-        run = split_run(run, split)[split.names[split.index(args.part)]]
     taus = _floats(args.tau) if args.tau else list(default_taus())
     ks = [int(k) for k in args.top_k.split(",")] if args.top_k else [None]
     aggs = args.agg.split(",") if args.agg else [None]
@@ -457,34 +427,33 @@ def cmd_regate(args: argparse.Namespace) -> int:
         print(json.dumps([asdict(r) for r in rows], indent=2, default=float))
     else:
         print(format_table(rows))
-    print(in_sample_note(run, len(rows)), file=sys.stderr if args.json else sys.stdout)
     return 0
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from speceyes.bench.calibrate import calibrate, format_calibration, write_calibration
+    from speceyes.bench.calibrate import calibrate, write_calibration
     from speceyes.bench.runlog import load_run
-    from speceyes.bench.splits import parse_split
 
     run = load_run(args.run, require_results=False)
     cal = calibrate(
         run,
         max_error=args.max_error,
         confidence=args.confidence,
-        top_k=[int(k) for k in args.top_k.split(",")] if args.top_k else None,
-        agg=[a.strip() for a in args.agg.split(",")] if args.agg else None,
+        top_k=args.top_k,
+        agg=args.agg,
         min_relative_accuracy=args.min_relative_accuracy,
-        split=parse_split(args.split, args.seed) if args.split else None,
-        holdout=load_run(args.holdout, require_results=False) if args.holdout else None,
     )
     out = Path(args.output or Path(args.run) / "calibration.json")
     write_calibration(cal, out)
-    print(format_calibration(cal))
-    if not cal.passed:
-        print(f"wrote {out} (a record only: eval and serve refuse it)", file=sys.stderr)
-        return 1
+    status = "guarantee holds" if cal.passed else "no tau passed: accept nothing"
+    print(f"tau = {cal.tau:.6f}  ({status}; {cal.method}, n={cal.n})")
+    print(f"expected acceptance among tool-free = {cal.expected_acceptance:.3f}")
+    if cal.expected_speedup is not None:
+        print(f"expected speedup over agent-only = {cal.expected_speedup:.2f}x")
+    if cal.note:
+        print(cal.note)
     print(f"wrote {out} (pass it to eval or serve with --calibration)")
     return 0
 
@@ -506,7 +475,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from speceyes.serve import API_KEY_ENV, serve
+    from speceyes.serve import serve
 
     # Fail on bad server settings before minutes of model loading.
     if args.max_queue < 1 or args.max_wait_ms < 0 or args.request_timeout <= 0:
@@ -523,54 +492,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
         request_timeout=args.request_timeout,
         allow_local_files=args.allow_local_files,
         max_body_mb=args.max_body_mb,
-        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
-        max_question_chars=args.max_question_chars,
-        max_option_chars=args.max_option_chars,
-        max_image_pixels=args.max_image_pixels,
-        max_pixels_in_flight=args.max_pixels_in_flight,
-        drain_timeout=args.drain_timeout,
     )
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from dataclasses import asdict
     from pathlib import Path
 
     from speceyes import simulate as sm
 
-    costs = sm.bench_costs(args.bench) if args.bench else sm.CostModel()
-    if args.costs:  # the file's fields over the benchmark's token counts
-        data = json.loads(Path(args.costs).read_text())
-        if not isinstance(data, dict):
-            raise ValueError(f"{args.costs}: expected a JSON object of cost fields")
-        base = {k: v for k, v in asdict(costs).items() if k not in data}
-        costs = sm.CostModel.from_dict({**base, **data})
+    costs = sm.CostModel.from_json(args.costs) if args.costs else sm.CostModel()
     if args.shared_gpu:
         costs.shared_gpu = True
-    if args.no_prefix_caching:
-        costs.prefix_caching = False
-    if args.judge_max_pixels is not None:
-        costs.judge_max_pixels = args.judge_max_pixels
-    costs.validate()
     cs = [int(c) for c in args.concurrency.split(",") if c.strip()]
     schedules = [s.strip() for s in args.schedules.split(",") if s.strip()]
-    judges = [j.strip() for j in args.judge.split(",") if j.strip()]
     rows = sm.simulate(
-        costs, schedules, cs, args.queries, args.beta, args.alpha, args.seed, args.published_batch,
-        judges=judges,
-        alpha_tool=sm.DEFAULT_ALPHA_TOOL if args.alpha_tool is None else args.alpha_tool,
+        costs, schedules, cs, args.queries, args.beta, args.alpha, args.seed, args.published_batch
     )
     print(sm.format_table(rows))
-    note = ", ".join(
-        x for x in (
-            f"{args.bench} images" if args.bench else "",
-            "one GPU for both models" if costs.shared_gpu else "",
-            "no prefix caching" if not costs.prefix_caching else "",
-            f"judge view {costs.judge_max_pixels} px" if costs.judge_max_pixels else "",
-        ) if x
-    )
     paths = sm.write_outputs(
-        rows, Path(args.output), costs, args.beta, args.alpha, args.queries, args.seed, note
+        rows, Path(args.output), costs, args.beta, args.alpha, args.queries, args.seed
     )
     print(f"wrote {', '.join(str(p) for p in paths)}")
     return 0
@@ -665,22 +605,6 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--llm-judge-model", default=None, help="model name at --llm-judge")
     rep.set_defaults(func=cmd_report)
 
-    vw = sub.add_parser(
-        "view",
-        help="static HTML report of run folders: a card per query with its zooms, filters, "
-        "two runs side by side (opens from disk, no server)",
-    )
-    vw.add_argument("runs", nargs="+", help="run folders written by speceyes eval")
-    vw.add_argument("--out", required=True, help="output folder (index.html, img/, runs/)")
-    vw.add_argument(
-        "--data",
-        default=None,
-        help="the benchmark's path when it moved since the run (default: the path in the run)",
-    )
-    vw.add_argument("--thumb-size", type=int, default=320, help="thumbnail side in px")
-    vw.add_argument("--full-size", type=int, default=3072, help="side of the full view in px")
-    vw.set_defaults(func=cmd_view)
-
     rg = sub.add_parser(
         "regate",
         help="replay the gate offline from a --mode both run, for any tau, K and aggregation",
@@ -691,14 +615,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rg.add_argument("--top-k", default=None, help="K values up to the logged K, e.g. '20,64'")
     rg.add_argument("--agg", default=None, help="aggregations, e.g. 'min,mean,bottom,log'")
-    rg.add_argument(
-        "--split",
-        default=None,
-        help="replay only one part of the run: weights sweep:calib:test (e.g. 40:30:30) or "
-        "calib:test, stratified by category; the same --split and --seed as calibrate",
-    )
-    rg.add_argument("--part", default="sweep", help="with --split: sweep | calib | test | 1-3")
-    rg.add_argument("--seed", type=int, default=0, help="with --split: the split's seed")
     rg.add_argument("--json", action="store_true")
     rg.set_defaults(func=cmd_regate)
 
@@ -707,10 +623,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="choose tau with a finite-sample guarantee on the error of accepted answers",
         description="Learn-then-test with fixed-sequence testing and exact binomial bounds: the "
         "error rate among accepted speculative answers is at most --max-error with probability "
-        "at least --confidence (over the calibration sample). Several --top-k/--agg values are "
-        "tested as one family (Bonferroni across them), so the guarantee holds for the one "
-        "kept. --split or --holdout measure accuracy, error among accepted and speedup on "
-        "queries the test never saw. Exits 1 when no tau passes.",
+        "at least --confidence (over the calibration sample).",
     )
     cal.add_argument("run", help="run folder of a --mode both eval")
     cal.add_argument("--max-error", type=float, default=0.05)
@@ -721,16 +634,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="instead: funnel accuracy >= r x agent-only accuracy",
     )
-    cal.add_argument("--top-k", default=None, help="K, or several ('20,64') tested as a family")
-    cal.add_argument("--agg", default=None, help="aggregation, or several ('min,mean')")
-    cal.add_argument(
-        "--split",
-        default=None,
-        help="calib:test (e.g. 50:50) or sweep:calib:test weights: calibrate on the calib part, "
-        "measure on the test part (seeded, stratified by category)",
-    )
-    cal.add_argument("--seed", type=int, default=0, help="seed of --split")
-    cal.add_argument("--holdout", default=None, help="run folder (same setup) to measure on")
+    cal.add_argument("--top-k", type=int, default=None)
+    cal.add_argument("--agg", default=None, choices=list(gate.AGGREGATIONS))
     cal.add_argument("--output", default=None, help="default RUN/calibration.json")
     cal.set_defaults(func=cmd_calibrate)
 
@@ -789,46 +694,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--model-name", default="speceyes", help="model id in /v1/models")
     srv.add_argument("--max-body-mb", type=float, default=32.0, help="largest request body")
     srv.add_argument("--allow-local-files", action="store_true", help="accept file:// image URLs")
-    srv.add_argument(
-        "--api-key",
-        default=None,
-        help="require 'Authorization: Bearer KEY' on every endpoint but /health (401 otherwise); "
-        "default: the SPECEYES_API_KEY environment variable, else no key",
-    )
-    srv.add_argument(
-        "--max-question-chars",
-        type=int,
-        default=limits.MAX_QUESTION_CHARS,
-        help="longest question accepted (413 beyond)",
-    )
-    srv.add_argument(
-        "--max-option-chars",
-        type=int,
-        default=limits.MAX_OPTION_CHARS,
-        help=f"longest option accepted (413 beyond); at most {limits.MAX_OPTIONS} options (400)",
-    )
-    srv.add_argument(
-        "--max-image-pixels",
-        type=int,
-        default=limits.MAX_IMAGE_PIXELS,
-        help="largest image (width x height, read from its header before decoding; 413 beyond)",
-    )
-    srv.add_argument(
-        "--max-pixels-in-flight",
-        type=int,
-        default=limits.MAX_PIXELS_IN_FLIGHT,
-        help="decoded image pixels all admitted requests may hold at once (429 beyond)",
-    )
-    srv.add_argument(
-        "--drain-timeout",
-        type=float,
-        default=30.0,
-        help="on SIGTERM/Ctrl-C: seconds to answer admitted requests before exiting",
-    )
     add_model_args(srv)
     add_funnel_args(srv)
-    # Accepted answers leave as soon as the gate accepts them, not after their batch-mates.
-    srv.set_defaults(func=cmd_serve, schedule="pipelined")
+    srv.set_defaults(func=cmd_serve)
 
     sim = sub.add_parser(
         "simulate",
@@ -842,38 +710,9 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--beta", type=float, default=0.8, help="share judged tool-free")
     sim.add_argument("--alpha", type=float, default=0.71, help="gate acceptance among them")
     sim.add_argument("--costs", default=None, help="JSON of CostModel fields / measured seconds")
-    sim.add_argument(
-        "--schedules",
-        default="agent-only,agent-only-2gpu,published,speceyes",
-        help="agent-only (one GPU), agent-only-2gpu (two, data parallel), published, speceyes",
-    )
+    sim.add_argument("--schedules", default="agent-only,published,speceyes")
     sim.add_argument("--published-batch", type=int, default=None, help="default: the concurrency")
-    sim.add_argument(
-        "--shared-gpu", action="store_true",
-        help="both models on one GPU (default: one GPU each; agent-only always gets one)",
-    )
-    sim.add_argument(
-        "--bench", default=None, choices=["vstar", "hrbench4k", "hrbench8k", "pope", "miniworld"],
-        help="image and crop tokens from smart_resize of this benchmark's images (default: V*)",
-    )
-    sim.add_argument(
-        "--judge", default="large",
-        help="ours' judge variants, comma-separated: large (published), prefix, small, "
-        "small-prefix, none",
-    )
-    sim.add_argument(
-        "--judge-max-pixels", type=int, default=None,
-        help="judge view budget in pixels for the large and small judges",
-    )
-    sim.add_argument(
-        "--alpha-tool", type=float, default=None,
-        help="--judge none: gate acceptance among the queries the judge would send to tools "
-        "(default 0.5)",
-    )
-    sim.add_argument(
-        "--no-prefix-caching", action="store_true",
-        help="engines without prefix caching: every agent turn prefills its whole history",
-    )
+    sim.add_argument("--shared-gpu", action="store_true", help="both models on one GPU")
     sim.add_argument("--output", default="runs/simulate", help="output folder")
     sim.add_argument("--seed", type=int, default=0)
     sim.set_defaults(func=cmd_simulate)
