@@ -1,0 +1,1 @@
+"""Static CSS and JavaScript that ``speceyes view`` inlines into its page."""
