@@ -1,4 +1,4 @@
-"""Command line: speceyes ask | demo | eval | report | regate | calibrate | serve."""
+"""Command line: speceyes ask | demo | eval | report | view | regate | calibrate | serve."""
 
 from __future__ import annotations
 
@@ -409,6 +409,22 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_view(args: argparse.Namespace) -> int:
+    from speceyes.view import build_view
+
+    res = build_view(
+        args.runs, args.out, data=args.data, thumb_side=args.thumb_size, full_side=args.full_size
+    )
+    for note in res.notes:
+        print(f"note: {note}", file=sys.stderr)
+    print(
+        f"{res.cards} queries; images: {res.images_made} made, {res.images_reused} reused",
+        file=sys.stderr,
+    )
+    print(res.index.resolve())
+    return 0
+
+
 def cmd_regate(args: argparse.Namespace) -> int:
     from speceyes.bench.regate import default_taus, format_table, regate
     from speceyes.bench.runlog import load_run
@@ -604,6 +620,22 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--llm-judge", default=None, help="OpenAI-compatible URL (published fallbacks)")
     rep.add_argument("--llm-judge-model", default=None, help="model name at --llm-judge")
     rep.set_defaults(func=cmd_report)
+
+    vw = sub.add_parser(
+        "view",
+        help="static HTML report of run folders: a card per query with its zooms, filters, "
+        "two runs side by side (opens from disk, no server)",
+    )
+    vw.add_argument("runs", nargs="+", help="run folders written by speceyes eval")
+    vw.add_argument("--out", required=True, help="output folder (index.html, img/, runs/)")
+    vw.add_argument(
+        "--data",
+        default=None,
+        help="the benchmark's path when it moved since the run (default: the path in the run)",
+    )
+    vw.add_argument("--thumb-size", type=int, default=320, help="thumbnail side in px")
+    vw.add_argument("--full-size", type=int, default=3072, help="side of the full view in px")
+    vw.set_defaults(func=cmd_view)
 
     rg = sub.add_parser(
         "regate",
