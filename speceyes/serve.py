@@ -12,39 +12,57 @@ Endpoints:
 * ``GET /health``, ``GET /v1/models``, ``GET /metrics`` (Prometheus text format).
 
 Scheduling: requests are parsed and their images decoded on the event loop's side (decoding in a
-small thread pool), then queued. One batcher task collects up to ``batch_size`` requests, or what
-arrived within ``max_wait_ms`` of the oldest one, and runs ``Funnel.run_batch`` in a single
-worker thread: the funnel and its models are synchronous and not thread-safe, so at most one
-batch runs at a time, and requests that arrive meanwhile form the next batch.
+small thread pool), then queued. The funnel runs in one thread of its own, off the event loop
+(``/health`` answers while it works), over a stream of micro-batches: whenever the funnel's
+schedule is ready for another batch, the batcher hands it up to ``batch_size`` requests, or what
+arrived within ``max_wait_ms`` of the oldest one. On the pipelined schedule (the CLI's default
+for ``serve``) a batch is drawn as soon as the previous one passed phases I-III, and an answer
+the gate accepted is sent at once instead of waiting for its batch-mates' agent loops.
+
+Limits (defaults in :mod:`speceyes.limits`): question and option length (413), option count
+(400), lone surrogates (400), image pixels read from the header before decoding (413), and a
+server-wide budget of decoded pixels held by admitted requests (429 when spent).
 
 Backpressure: at most ``max_queue`` requests are admitted and not yet running (their bodies and
 images are the memory that grows with load); beyond that a request is answered 429 before its
-body is read. Requests in the running batch are bounded by ``batch_size``. Each request has an
-end-to-end deadline (``request_timeout``, 504).
+body is read. Each request has an end-to-end deadline (``request_timeout``, 504).
+
+Security: with ``api_key`` every endpoint but ``/health`` needs ``Authorization: Bearer <key>``
+(401 otherwise), as vLLM and SGLang do. A 500 says only "internal error" and a request id; the
+details are in the server log under that id (every response carries it as ``X-Request-Id``).
+Shutdown (SIGTERM, Ctrl-C): stop accepting, answer what was admitted for up to
+``drain_timeout`` seconds, then exit; the funnel thread never keeps the process alive.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
+import io
 import json
 import logging
 import math
 import os
+import queue
 import signal
+import sys
 import threading
 import time
 import urllib.parse
 import uuid
+import warnings
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
+from PIL import Image
 
-from speceyes.images import ImageError, load_image
+from speceyes import limits
+from speceyes.images import ImageError, _decode_data_uri, load_image
 from speceyes.types import Query, Result
 
 if TYPE_CHECKING:
@@ -62,13 +80,16 @@ ROUTES: tuple[str, ...] = (
     "small_only",
     "error",
 )
-STATUSES: tuple[str, ...] = ("200", "400", "413", "429", "500", "503", "504")
+STATUSES: tuple[str, ...] = ("200", "400", "401", "413", "429", "500", "503", "504")
 LATENCY_BUCKETS: tuple[float, ...] = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
     120.0, 300.0,
 )  # fmt: skip
 BATCH_BUCKETS: tuple[float, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-MAX_OPTIONS = 26  # letters A..Z
+API_KEY_ENV = "SPECEYES_API_KEY"
+OPEN_PATHS = frozenset({"/health"})  # answered without the API key (load balancer probes)
+REQUEST_ID_HEADER = "X-Request-Id"
+RID_KEY = web.RequestKey("speceyes_request_id", str)
 
 
 # ---- errors -------------------------------------------------------------------------------
@@ -111,6 +132,14 @@ def _error_from(e: RequestError) -> web.Response:
     return error_response(e.status, e.message, code=e.code, type=e.type, param=e.param)
 
 
+def internal_error(request_id: str) -> web.Response:
+    """A 500 that tells the client nothing about the internals, only the id in the server log."""
+    return error_response(
+        500, f"internal error (request id {request_id})", code="internal_error",
+        type="server_error",
+    )  # fmt: skip
+
+
 # ---- request parsing ----------------------------------------------------------------------
 @dataclass
 class ChatRequest:
@@ -146,7 +175,32 @@ def _image_url_of(part: dict[str, Any], where: str) -> str:
     return url
 
 
-def parse_chat_request(body: Any) -> ChatRequest:
+def _check_text(text: str, where: str) -> str:
+    # Valid JSON can carry a lone surrogate ("\ud800"); no tokenizer encodes one.
+    if limits.lone_surrogate(text):
+        raise RequestError(
+            f"{where} contains a lone UTF-16 surrogate (not valid Unicode text)",
+            code="invalid_text",
+            param=where,
+        )
+    return text
+
+
+def _too_long(what: str, n: int, cap: int, code: str, param: str) -> RequestError:
+    return RequestError(
+        f"{what} has {n} characters; this server accepts at most {cap}",
+        status=413,
+        code=code,
+        param=param,
+    )
+
+
+def parse_chat_request(
+    body: Any,
+    *,
+    max_question_chars: int = limits.MAX_QUESTION_CHARS,
+    max_option_chars: int = limits.MAX_OPTION_CHARS,
+) -> ChatRequest:
     """The question, the one image URL and the options of an OpenAI chat request."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object", code="invalid_body")
@@ -183,9 +237,9 @@ def parse_chat_request(body: Any) -> ChatRequest:
                         code="invalid_content",
                         param=where,
                     )
-                texts.append(part["text"])
+                texts.append(_check_text(part["text"], f"{where}.content[{j}].text"))
             elif kind == "image_url":
-                images.append(_image_url_of(part, f"{where}.content[{j}]"))
+                images.append(_check_text(_image_url_of(part, f"{where}.content[{j}]"), where))
             else:
                 raise RequestError(
                     f"{where}.content[{j}]: unsupported content part type {kind!r} "
@@ -215,19 +269,31 @@ def parse_chat_request(body: Any) -> ChatRequest:
             code="missing_text",
             param="messages",
         )
+    if len(question) > max_question_chars:
+        n = len(question)
+        raise _too_long("the question", n, max_question_chars, "question_too_long", "messages")
     options = body.get("options")
     if options is not None:
-        if (
-            not isinstance(options, list)
-            or not 1 <= len(options) <= MAX_OPTIONS
-            or not all(isinstance(o, str) and o.strip() for o in options)
+        if not isinstance(options, list) or not all(
+            isinstance(o, str) and o.strip() for o in options
         ):
             raise RequestError(
-                f"options must be a list of 1 to {MAX_OPTIONS} non-empty strings",
+                f"options must be a list of 1 to {limits.MAX_OPTIONS} non-empty strings",
                 code="invalid_options",
                 param="options",
             )
-        options = [o.strip() for o in options]
+        if not 1 <= len(options) <= limits.MAX_OPTIONS:
+            raise RequestError(
+                f"got {len(options)} options; the prompts have letters for 1 to "
+                f"{limits.MAX_OPTIONS}",
+                code="too_many_options" if options else "invalid_options",
+                param="options",
+            )
+        options = [_check_text(o.strip(), f"options[{k}]") for k, o in enumerate(options)]
+        for k, o in enumerate(options):
+            if len(o) > max_option_chars:
+                where = f"options[{k}]"
+                raise _too_long(where, len(o), max_option_chars, "option_too_long", "options")
     return ChatRequest(question=question, image_url=images[0], options=options or None)
 
 
@@ -363,6 +429,31 @@ class Metrics:
         return "\n".join(out) + "\n"
 
 
+# ---- images: pixels from the header before decoding ---------------------------------------
+def _side(pixels: int) -> str:
+    side = math.isqrt(pixels)
+    return f"{side}x{side}"
+
+
+def image_bytes(src: str | Path) -> bytes | Path:
+    """The encoded image of a data URI (or the local path): nothing decoded yet."""
+    return _decode_data_uri(src) if isinstance(src, str) else src
+
+
+def header_pixels(data: bytes | Path) -> int:
+    """Width x height from the image header alone; 0 when PIL cannot read one (load_image then
+    says what is wrong). Opening reads the header only: the pixels are never decoded here."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        try:
+            with Image.open(io.BytesIO(data) if isinstance(data, bytes) else data) as img:
+                return img.width * img.height
+        except Image.DecompressionBombError:
+            return sys.maxsize  # past PIL's own hard limit: past ours too
+        except Exception:
+            return 0
+
+
 # ---- the server ---------------------------------------------------------------------------
 class ServerClosing(Exception):
     pass
@@ -373,7 +464,10 @@ class _Item:
     query: Query
     future: asyncio.Future[tuple[Result, int, float]]
     enqueued: float
-    started: bool = False
+    pixels: int = 0  # decoded pixels this request holds in the server-wide budget
+    started: bool = False  # handed to the funnel
+    handed: float = 0.0
+    batch_size: int = 0
 
 
 @dataclass
@@ -385,34 +479,63 @@ class ServerState:
     model_name: str
     request_timeout: float | None
     allow_local_files: bool
+    api_key: str | None = None
+    max_question_chars: int = limits.MAX_QUESTION_CHARS
+    max_option_chars: int = limits.MAX_OPTION_CHARS
+    max_image_pixels: int = limits.MAX_IMAGE_PIXELS
+    max_pixels_in_flight: int = limits.MAX_PIXELS_IN_FLIGHT
     metrics: Metrics = field(default_factory=Metrics)
     waiting: deque[_Item] = field(default_factory=deque)
+    pending: dict[str, _Item] = field(default_factory=dict)  # handed to the funnel, unanswered
     admitted: int = 0  # requests holding a queue slot: being read/decoded or waiting
-    inflight: int = 0  # queries in the running funnel batch
-    closing: bool = False
+    pixels_in_flight: int = 0
+    closing: bool = False  # new requests get 503; admitted ones are still answered
+    stopped: bool = False  # past the drain: nothing more is answered
     started_at: float = field(default_factory=time.time)
-    worker: ThreadPoolExecutor | None = None
     decoder: ThreadPoolExecutor | None = None
     arrived: asyncio.Event | None = None
+    want: asyncio.Event | None = None  # the funnel is ready for another batch
+    handoff: queue.SimpleQueue[list[_Item] | None] = field(default_factory=queue.SimpleQueue)
     batcher: asyncio.Task[None] | None = None
+    loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def inflight(self) -> int:
+        """Queries handed to the funnel and not answered yet."""
+        return len(self.pending)
 
     # ---- lifecycle ------------------------------------------------------------------------
     async def start(self, _app: web.Application) -> None:
-        # One worker thread: the funnel is synchronous and runs one batch at a time.
-        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="speceyes-funnel")
+        self.loop = asyncio.get_running_loop()
         self.decoder = ThreadPoolExecutor(
             max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="speceyes-decode"
         )
-        self.arrived = asyncio.Event()
-        self.batcher = asyncio.get_running_loop().create_task(self._batch_loop())
+        self.arrived, self.want = asyncio.Event(), asyncio.Event()
+        self.batcher = self.loop.create_task(self._batch_loop())
+        # A daemon thread, not an executor: a batch stuck in a model call must not keep the
+        # process alive after SIGTERM (executor threads are joined at interpreter exit).
+        threading.Thread(target=self._funnel_main, name="speceyes-funnel", daemon=True).start()
+
+    async def drain(self, timeout: float) -> bool:
+        """Refuse new requests (503) and wait up to ``timeout`` s for the admitted ones."""
+        self.closing = True
+        assert self.loop is not None
+        deadline = self.loop.time() + timeout
+        while self.admitted or self.pending:
+            if self.loop.time() >= deadline:
+                return False
+            await asyncio.sleep(0.02)
+        return True
 
     async def shutdown(self, _app: web.Application) -> None:
-        """Stop admitting; requests still waiting get 503, the running batch may finish."""
-        self.closing = True
+        """Stop admitting; requests not answered yet get 503."""
+        self.closing = self.stopped = True
+        closing = ServerClosing("the server is shutting down")
         while self.waiting:
             item = self.waiting.popleft()
             if not item.future.done():
-                item.future.set_exception(ServerClosing("the server is shutting down"))
+                item.future.set_exception(closing)
+        self._fail_pending(closing, count=False)
 
     async def cleanup(self, _app: web.Application) -> None:
         if self.batcher is not None:
@@ -421,20 +544,55 @@ class ServerState:
                 await self.batcher
             except asyncio.CancelledError:
                 pass
-        for pool in (self.worker, self.decoder):
-            if pool is not None:
-                pool.shutdown(wait=False, cancel_futures=True)
+        self.handoff.put(None)  # the funnel thread ends after its current model call
+        if self.decoder is not None:
+            self.decoder.shutdown(wait=False, cancel_futures=True)
 
-    # ---- batching -------------------------------------------------------------------------
+    # ---- the funnel thread ----------------------------------------------------------------
+    def _post(self, fn: Callable[..., None], *args: Any) -> bool:
+        """Run ``fn`` on the event loop; False once the loop is gone."""
+        assert self.loop is not None
+        try:
+            self.loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:
+            return False
+        return True
+
+    def _funnel_main(self) -> None:
+        want = self.want
+        assert want is not None
+
+        def batches() -> Iterator[list[Query]]:
+            while self._post(want.set):
+                batch = self.handoff.get()
+                if batch is None:
+                    return
+                yield [it.query for it in batch]
+
+        while True:
+            try:
+                # Looked up each time so that a wrapper installed on the funnel is seen.
+                for r in self.funnel.iter_batches(batches()):
+                    if not self._post(self._resolve, r):
+                        return
+                return  # the server closed the stream of batches
+            except Exception as e:  # per-query errors are results: this is the funnel's own
+                log.exception("speceyes serve: funnel failed; its unanswered queries get 500")
+                if not self._post(self._fail_pending, e):
+                    return
+
+    # ---- batching (event loop) ------------------------------------------------------------
     async def _batch_loop(self) -> None:
-        assert self.arrived is not None
+        assert self.arrived is not None and self.want is not None
         loop = asyncio.get_running_loop()
         while True:
+            await self.want.wait()
+            self.want.clear()
             while not self.waiting:
                 self.arrived.clear()
                 await self.arrived.wait()
             # Wait for a full batch, but never past max_wait after the oldest request arrived:
-            # under load the queue refills while a batch runs and the next one starts at once.
+            # under load the queue refills while the funnel works and the next batch is ready.
             deadline = self.waiting[0].enqueued + self.max_wait
             while len(self.waiting) < self.batch_size:
                 remaining = deadline - loop.time()
@@ -446,52 +604,85 @@ class ServerState:
                 except TimeoutError:
                     break
             batch: list[_Item] = []
+            now = loop.time()
             while self.waiting and len(batch) < self.batch_size:
                 item = self.waiting.popleft()
-                item.started = True
+                item.started, item.handed = True, now
                 self.admitted -= 1
+                self.pending[item.query.id] = item
                 batch.append(item)
-            if batch:
-                try:
-                    await self._run(batch)
-                except asyncio.CancelledError:
-                    raise
-                except Exception:  # never let the batcher die: later requests still need it
-                    log.exception("speceyes serve: batch bookkeeping failed")
+            for item in batch:
+                item.batch_size = len(batch)
+            self.metrics.batch_size.observe(len(batch))
+            self.handoff.put(batch)
 
-    async def _run(self, batch: list[_Item]) -> None:
-        loop = asyncio.get_running_loop()
-        t0 = loop.time()
-        self.inflight = len(batch)
-        self.metrics.batch_size.observe(len(batch))
-        try:
-            # Looked up per batch so that a wrapper installed on the funnel is seen.
-            results = await loop.run_in_executor(
-                self.worker, self.funnel.run_batch, [it.query for it in batch]
-            )
-            if len(results) != len(batch):
-                raise RuntimeError(f"funnel returned {len(results)} results for {len(batch)}")
-        except Exception as e:
-            self.metrics.batch_errors += 1
-            log.exception("speceyes serve: funnel batch of %d failed", len(batch))
-            for it in batch:
-                if not it.future.done():
-                    it.future.set_exception(e)
+    def _release(self, item: _Item) -> None:
+        self.pixels_in_flight -= item.pixels
+        item.pixels = 0
+
+    def _resolve(self, r: Result) -> None:
+        item = self.pending.pop(r.id, None)
+        if item is None:
             return
-        finally:
-            self.inflight = 0
-        for it, r in zip(batch, results, strict=True):
-            self.metrics.routes[r.route] = self.metrics.routes.get(r.route, 0) + 1
-            for p in PHASES:
-                if p in r.timings:
-                    self.metrics.phases[p].observe(r.timings[p])
-            if not it.future.done():  # done: the request timed out or was cancelled
-                it.future.set_result((r, len(batch), t0 - it.enqueued))
+        self._release(item)
+        self.metrics.routes[r.route] = self.metrics.routes.get(r.route, 0) + 1
+        for p in PHASES:
+            if p in r.timings:
+                self.metrics.phases[p].observe(r.timings[p])
+        if not item.future.done():  # done: the request timed out or was cancelled
+            item.future.set_result((r, item.batch_size, item.handed - item.enqueued))
+
+    def _fail_pending(self, e: BaseException, count: bool = True) -> None:
+        if count and self.pending:
+            self.metrics.batch_errors += 1
+        items = list(self.pending.values())
+        self.pending.clear()
+        for item in items:
+            self._release(item)
+            if not item.future.done():
+                item.future.set_exception(e)
 
     # ---- handlers -------------------------------------------------------------------------
+    async def _image(self, url: str) -> tuple[Any, int]:
+        """The decoded image and its pixel count, held in the budget (released by the caller)."""
+        loop = asyncio.get_running_loop()
+        src = resolve_image(url, self.allow_local_files)
+        try:
+            data = await loop.run_in_executor(self.decoder, image_bytes, src)
+            pixels = await loop.run_in_executor(self.decoder, header_pixels, data)
+        except ImageError as e:
+            raise RequestError(str(e), code="invalid_image", param="messages") from e
+        if pixels > self.max_image_pixels:
+            size = "too many" if pixels == sys.maxsize else f"{pixels}"
+            raise RequestError(
+                f"the image has {size} pixels; this server decodes at most "
+                f"{self.max_image_pixels} (e.g. {_side(self.max_image_pixels)})",
+                status=413,
+                code="image_too_large",
+                param="messages",
+            )
+        if self.pixels_in_flight + pixels > self.max_pixels_in_flight:
+            raise RequestError(
+                "server busy: the images of the requests in flight fill its decoding budget "
+                f"({self.max_pixels_in_flight} pixels); retry later",
+                status=429,
+                code="pixel_budget",
+                type="rate_limit_error",
+            )
+        self.pixels_in_flight += pixels  # reserved before decoding: admitted work is bounded
+        try:
+            image = await loop.run_in_executor(self.decoder, load_image, data)
+        except BaseException as e:
+            self.pixels_in_flight -= pixels
+            if isinstance(e, ImageError):
+                raise RequestError(str(e), code="invalid_image", param="messages") from e
+            raise
+        return image, pixels
+
     async def chat(self, request: web.Request) -> web.Response:
         loop = asyncio.get_running_loop()
         t_arrival = loop.time()
+        rid = request[RID_KEY]
         if self.closing:
             return error_response(
                 503, "the server is shutting down", code="shutting_down", type="server_error"
@@ -508,25 +699,29 @@ class ServerState:
             )
         self.admitted += 1
         item: _Item | None = None
+        pixels = 0
         try:
             try:
                 body = json.loads(await request.read())
+            except RecursionError as e:
+                raise RequestError(
+                    "the request body is nested too deeply", code="invalid_json"
+                ) from e
             except (UnicodeDecodeError, ValueError) as e:
                 raise RequestError(
                     f"the request body is not valid JSON ({e})", code="invalid_json"
                 ) from e
-            parsed = parse_chat_request(body)
-            src = resolve_image(parsed.image_url, self.allow_local_files)
-            try:
-                image = await loop.run_in_executor(self.decoder, load_image, src)
-            except ImageError as e:
-                raise RequestError(str(e), code="invalid_image", param="messages") from e
-            if self.closing:
-                raise ServerClosing("the server is shutting down")
-            query = Query(
-                id=uuid.uuid4().hex, image=image, question=parsed.question, options=parsed.options
+            parsed = parse_chat_request(
+                body,
+                max_question_chars=self.max_question_chars,
+                max_option_chars=self.max_option_chars,
             )
-            item = _Item(query, loop.create_future(), loop.time())
+            image, pixels = await self._image(parsed.image_url)
+            if self.stopped:  # admitted before a drain began, but the drain is over
+                raise ServerClosing("the server is shutting down")
+            query = Query(id=rid, image=image, question=parsed.question, options=parsed.options)
+            item = _Item(query, loop.create_future(), loop.time(), pixels=pixels)
+            pixels = 0  # the item holds them now
             self.waiting.append(item)
             assert self.arrived is not None
             self.arrived.set()
@@ -534,12 +729,12 @@ class ServerState:
             if self.request_timeout is not None:
                 timeout = max(0.0, self.request_timeout - (loop.time() - t_arrival))
             try:
-                # shield: a timeout must not cancel the shared future the batcher resolves.
+                # shield: a timeout must not cancel the shared future the funnel resolves.
                 result, batch_size, queued = await asyncio.wait_for(
                     asyncio.shield(item.future), timeout
                 )
             except TimeoutError:
-                item.future.cancel()  # the batcher then drops its result unread
+                item.future.cancel()  # the funnel's result is then dropped unread
                 return error_response(
                     504,
                     f"no answer within the request timeout ({self.request_timeout:g} s)",
@@ -547,27 +742,28 @@ class ServerState:
                     type="timeout_error",
                 )
         except RequestError as e:
-            return _error_from(e)
+            headers = {"Retry-After": "1"} if e.status == 429 else None
+            return error_response(
+                e.status, e.message, code=e.code, type=e.type, param=e.param, headers=headers
+            )
         except ServerClosing as e:
             return error_response(503, str(e), code="shutting_down", type="server_error")
         except web.HTTPException:
             raise  # e.g. 413 while reading the body: the middleware answers it as JSON
-        except Exception as e:
-            log.exception("speceyes serve: request failed")
-            return error_response(
-                500, f"internal error: {type(e).__name__}: {e}", code="internal_error",
-                type="server_error",
-            )  # fmt: skip
+        except Exception:
+            log.exception("speceyes serve: request %s failed", rid)
+            return internal_error(rid)
         finally:
+            self.pixels_in_flight -= pixels
             if item is None or not item.started:
-                self.admitted -= 1  # the slot was not handed over to a batch
-                if item is not None and item in self.waiting:
-                    self.waiting.remove(item)
-        if result.route == "error":
-            return error_response(
-                500, result.error or "the funnel could not answer", code="funnel_error",
-                type="server_error",
-            )  # fmt: skip
+                self.admitted -= 1  # the slot was not handed over to the funnel
+                if item is not None:
+                    self._release(item)
+                    if item in self.waiting:
+                        self.waiting.remove(item)
+        if result.route == "error" or (result.error and not result.answer):
+            log.error("speceyes serve: request %s: no answer: %s", rid, result.error)
+            return internal_error(rid)
         total = loop.time() - t_arrival
         self.metrics.request_seconds.observe(total)
         return web.json_response(self._completion(result, batch_size, queued, total))
@@ -651,7 +847,11 @@ class ServerState:
                     "Requests admitted and not yet in a batch.",
                     self.admitted,
                 ),
-                "speceyes_inflight": ("Queries in the running funnel batch.", self.inflight),
+                "speceyes_inflight": ("Queries handed to the funnel, unanswered.", self.inflight),
+                "speceyes_pixels_in_flight": (
+                    "Decoded image pixels held by admitted requests.",
+                    self.pixels_in_flight,
+                ),
                 "speceyes_beta": ("Share of judged queries judged tool-free.", stats.beta),
                 "speceyes_alpha": ("Gate acceptance among tool-free queries.", stats.alpha),
             },
@@ -661,26 +861,41 @@ class ServerState:
             body=text.encode(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"}
         )
 
-    # ---- errors as OpenAI JSON, request counting ----------------------------------------
+    # ---- authentication, errors as OpenAI JSON, request counting --------------------------
+    def _authorize(self, request: web.Request) -> None:
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        expected = (self.api_key or "").encode()
+        # Constant-time comparison: the time taken says nothing about how much of a guess matched.
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected):
+            raise RequestError(
+                "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+                status=401,
+                code="invalid_api_key",
+            )
+
     @web.middleware
     async def middleware(
         self, request: web.Request, handler: Callable[[web.Request], Any]
     ) -> web.StreamResponse:
+        rid = uuid.uuid4().hex
+        request[RID_KEY] = rid
         try:
+            if self.api_key is not None and request.path not in OPEN_PATHS:
+                self._authorize(request)
             resp = await handler(request)
         except web.HTTPException as e:  # 404, 405, 413 from aiohttp itself
             code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
             resp = error_response(
                 e.status, e.text or e.reason, code=code.get(e.status, "http_error")
             )
-        except Exception as e:
-            log.exception("speceyes serve: unhandled error")
-            resp = error_response(
-                500,
-                f"internal error: {type(e).__name__}",
-                code="internal_error",
-                type="server_error",
-            )
+        except RequestError as e:
+            resp = _error_from(e)
+            if e.status == 401:
+                resp.headers["WWW-Authenticate"] = "Bearer"
+        except Exception:
+            log.exception("speceyes serve: request %s failed", rid)
+            resp = internal_error(rid)
+        resp.headers[REQUEST_ID_HEADER] = rid
         if request.path == CHAT_PATH:
             key = str(resp.status)
             self.metrics.requests[key] = self.metrics.requests.get(key, 0) + 1
@@ -700,8 +915,16 @@ def create_app(
     request_timeout: float | None = 300.0,
     allow_local_files: bool = False,
     max_body_mb: float = 32.0,
+    api_key: str | None = None,
+    max_question_chars: int = limits.MAX_QUESTION_CHARS,
+    max_option_chars: int = limits.MAX_OPTION_CHARS,
+    max_image_pixels: int = limits.MAX_IMAGE_PIXELS,
+    max_pixels_in_flight: int = limits.MAX_PIXELS_IN_FLIGHT,
 ) -> web.Application:
-    """The aiohttp application serving ``funnel``; ``batch_size`` defaults to the funnel's."""
+    """The aiohttp application serving ``funnel``; ``batch_size`` defaults to the funnel's.
+
+    ``api_key``: when given, every endpoint but ``/health`` needs ``Authorization: Bearer``.
+    """
     bs = funnel.config.batch_size if batch_size is None else batch_size
     if bs < 1:
         raise ValueError("batch_size must be at least 1")
@@ -711,6 +934,12 @@ def create_app(
         raise ValueError("max_wait_ms must be >= 0")
     if request_timeout is not None and request_timeout <= 0:
         raise ValueError("request_timeout must be positive")
+    if min(max_question_chars, max_option_chars, max_image_pixels) < 1:
+        raise ValueError("max_question_chars, max_option_chars, max_image_pixels must be >= 1")
+    if max_pixels_in_flight < max_image_pixels:
+        raise ValueError("max_pixels_in_flight must be at least max_image_pixels")
+    if api_key is not None and not api_key.strip():
+        raise ValueError("api_key must not be empty")
     state = ServerState(
         funnel=funnel,
         batch_size=bs,
@@ -719,6 +948,11 @@ def create_app(
         model_name=model_name,
         request_timeout=request_timeout,
         allow_local_files=allow_local_files,
+        api_key=api_key,
+        max_question_chars=max_question_chars,
+        max_option_chars=max_option_chars,
+        max_image_pixels=max_image_pixels,
+        max_pixels_in_flight=max_pixels_in_flight,
     )
     app = web.Application(
         middlewares=[state.middleware], client_max_size=int(max_body_mb * 1024 * 1024)
@@ -790,31 +1024,22 @@ def serve(
     host: str = "127.0.0.1",
     port: int = 8000,
     *,
-    batch_size: int | None = None,
-    max_wait_ms: float = 10.0,
-    max_queue: int = 256,
-    model_name: str = "speceyes",
-    request_timeout: float | None = 300.0,
-    allow_local_files: bool = False,
-    max_body_mb: float = 32.0,
+    drain_timeout: float = 30.0,
     announce: Callable[[str], None] | None = None,
+    **app_options: Any,
 ) -> int:
-    """Serve until Ctrl-C or SIGTERM, then shut down cleanly; returns an exit code."""
-    app = create_app(
-        funnel,
-        batch_size=batch_size,
-        max_wait_ms=max_wait_ms,
-        max_queue=max_queue,
-        model_name=model_name,
-        request_timeout=request_timeout,
-        allow_local_files=allow_local_files,
-        max_body_mb=max_body_mb,
-    )
+    """Serve until Ctrl-C or SIGTERM, then drain and shut down; returns an exit code.
+
+    ``app_options`` are :func:`create_app`'s. On the signal the server stops accepting
+    connections, answers 503 to new requests on open ones, gives admitted requests up to
+    ``drain_timeout`` seconds to be answered, then exits (those still unanswered get 503).
+    """
+    app = create_app(funnel, **app_options)
     state = app[STATE_KEY]
     say = announce or (lambda line: print(line, flush=True))
 
     async def main() -> None:
-        runner = web.AppRunner(app, shutdown_timeout=10.0, access_log=None)
+        runner = web.AppRunner(app, shutdown_timeout=5.0, access_log=None)
         await runner.setup()
         try:
             await web.TCPSite(runner, host, port).start()
@@ -829,12 +1054,21 @@ def serve(
             for url in _urls(runner):
                 say(f"speceyes serve: listening on {url}  (POST {url}{CHAT_PATH})")
             say(
-                f"model {model_name!r}, mode {cfg.mode}, tau {cfg.tau}, batch {state.batch_size}, "
-                f"max wait {max_wait_ms:g} ms, max queue {max_queue}; "
+                f"model {state.model_name!r}, mode {cfg.mode}, schedule {cfg.schedule}, "
+                f"tau {cfg.tau}, batch {state.batch_size}, max wait {state.max_wait * 1e3:g} ms, "
+                f"max queue {state.max_queue}, API key {'on' if state.api_key else 'off'}; "
                 "GET /health /v1/models /metrics; Ctrl-C to stop"
             )
             await stop.wait()
-            say("speceyes serve: shutting down (queued requests get 503)")
+            say(
+                f"speceyes serve: shutting down: draining {state.admitted + state.inflight} "
+                f"requests (up to {drain_timeout:g} s)"
+            )
+            for site in list(runner.sites):
+                await site.stop()  # no new connections
+            drained = await state.drain(drain_timeout)
+            if not drained:
+                say("speceyes serve: drain timeout; unanswered requests get 503")
         finally:
             await runner.cleanup()
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import logging
 import math
 import os
 import queue
@@ -21,6 +22,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -96,15 +98,24 @@ def aclient(srv: ServerThread):
     return openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60)
 
 
-def http(srv: ServerThread, path: str, body: bytes | None = None) -> tuple[int, Any]:
-    req = urllib.request.Request(srv.url + path, data=body, method="POST" if body else "GET")
+def http_full(
+    url: str, path: str, body: bytes | None = None, headers: dict[str, str] | None = None
+) -> tuple[int, Any, Any]:
+    req = urllib.request.Request(url + path, data=body, method="POST" if body else "GET")
     req.add_header("Content-Type", "application/json")
+    for k, v in (headers or {}).items():
+        req.add_header(k, v)
     try:
         with urllib.request.urlopen(req, timeout=60) as r:
-            status, raw, ctype = r.status, r.read(), r.headers["Content-Type"]
+            status, raw, hdrs = r.status, r.read(), r.headers
     except urllib.error.HTTPError as e:
-        status, raw, ctype = e.code, e.read(), e.headers["Content-Type"]
-    return status, json.loads(raw) if "json" in ctype else raw.decode()
+        status, raw, hdrs = e.code, e.read(), e.headers
+    return status, json.loads(raw) if "json" in hdrs["Content-Type"] else raw.decode(), hdrs
+
+
+def http(srv: ServerThread, path: str, body: bytes | None = None) -> tuple[int, Any]:
+    status, body_, _ = http_full(srv.url, path, body)
+    return status, body_
 
 
 def post(srv: ServerThread, payload: Any) -> tuple[int, Any]:
@@ -328,7 +339,7 @@ def test_request_timeout_is_504(q3, q25):
         assert http(srv, "/health")[1]["queue"] == 0
 
 
-def test_a_failing_batch_is_500_and_the_next_one_runs(q3, q25):
+def test_a_failing_batch_is_500_and_the_next_one_runs(q3, q25, caplog):
     funnel = make_funnel(q3, q25)
     real = funnel.run_batch
     calls = []
@@ -340,10 +351,14 @@ def test_a_failing_batch_is_500_and_the_next_one_runs(q3, q25):
         return real(queries)
 
     funnel.run_batch = flaky  # type: ignore[method-assign]
-    with ServerThread(create_app(funnel)) as srv:
-        status, body = post(srv, _user(_img(scene_uri(0)), TEXT))
+    with ServerThread(create_app(funnel)) as srv, caplog.at_level(logging.ERROR):
+        body_bytes = json.dumps(_user(_img(scene_uri(0)), TEXT)).encode()
+        status, body, headers = http_full(srv.url, "/v1/chat/completions", body_bytes)
         assert status == 500 and body["error"]["type"] == "server_error"
-        assert "device lost" in body["error"]["message"]
+        # The client learns nothing internal, only the id under which the log has the details.
+        rid = headers["X-Request-Id"]
+        assert body["error"]["message"] == f"internal error (request id {rid})"
+        assert any(rid in r.getMessage() and "device lost" in r.exc_text for r in caplog.records)
         status, body = post(srv, _user(_img(scene_uri(0)), TEXT))
         assert status == 200 and body["speceyes"]["route"] in ROUTES
         samples = parse_prometheus(http(srv, "/metrics")[1])
@@ -428,3 +443,259 @@ def test_cli_serve_prints_url_answers_and_stops_on_ctrl_c(tiny_dirs):
         finally:
             if proc.poll() is None:
                 proc.kill()
+
+
+# ---- hostile inputs -----------------------------------------------------------------------
+def png_header(width: int, height: int) -> str:
+    """A data URI of a PNG that declares ``width`` x ``height`` and holds no pixel data."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        crc = zlib.crc32(kind + data) & 0xFFFFFFFF
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", crc)
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IEND", b"")
+    return "data:image/png;base64," + base64.b64encode(png).decode()
+
+
+def _with(**extra: Any) -> dict[str, Any]:
+    return {**_user(_img(scene_uri(0)), TEXT), **extra}
+
+
+HOSTILE = {
+    "lone surrogate": (
+        json.dumps(_user(_img(scene_uri(0)), {"type": "text", "text": "\ud800 what color?"})),
+        400,
+        "invalid_text",
+    ),
+    "surrogate option": (json.dumps(_with(options=["red", "\udfff"])), 400, "invalid_text"),
+    "eleven options": (
+        json.dumps(_with(options=[f"o{k}" for k in range(11)])),
+        400,
+        "too_many_options",
+    ),
+    "long option": (json.dumps(_with(options=["red", "x" * 20_000])), 413, "option_too_long"),
+    "long question": (
+        json.dumps(_user(_img(scene_uri(0)), {"type": "text", "text": "q" * 1_000_000})),
+        413,
+        "question_too_long",
+    ),
+    "9400x9400 image": (
+        json.dumps(_user(_img(png_header(9400, 9400)), TEXT)),
+        413,
+        "image_too_large",
+    ),
+    "past PIL's bomb limit": (
+        json.dumps(_user(_img(png_header(30_000, 30_000)), TEXT)),
+        413,
+        "image_too_large",
+    ),
+    "nested JSON": ("[" * 100_000 + "]" * 100_000, 400, "invalid_json"),
+}
+
+
+def test_hostile_requests_get_4xx_and_their_batch_mates_are_answered(served):
+    srv, _, spy = served
+    good = [
+        _user(_img(scene_uri(i)), {"type": "text", "text": f"What color is box {i}?"})
+        for i in range(4)
+    ]
+    bodies = [(n, p.encode(), st, code) for n, (p, st, code) in HOSTILE.items()]
+    bodies += [(f"good {i}", json.dumps(g).encode(), 200, None) for i, g in enumerate(good)]
+    before = len(spy.sizes)
+    with ThreadPoolExecutor(len(bodies)) as pool:  # all at once: hostile ones among valid ones
+        got = list(pool.map(lambda b: http_full(srv.url, "/v1/chat/completions", b[1]), bodies))
+    for (name, _, status, code), (st, body, _) in zip(bodies, got, strict=True):
+        assert st == status, (name, st, body)
+        if code:
+            assert body["error"]["code"] == code and body["error"]["message"], (name, body)
+        else:
+            assert body["speceyes"]["route"] in ROUTES, (name, body)
+    assert sum(spy.sizes[before:]) == len(good)  # no hostile request reached the funnel
+    assert http(srv, "/health")[1]["queue"] == 0
+
+
+def test_decoded_pixels_in_flight_are_bounded(q3, q25):
+    funnel = make_funnel(q3, q25)
+    spy = Spy(funnel, delay=0.5)  # control flow only: the first request holds its pixels a while
+    px = 64 * 48  # scene_uri(0)
+    app = create_app(funnel, batch_size=1, max_image_pixels=px, max_pixels_in_flight=px + 100)
+    with ServerThread(app) as srv:
+        body = json.dumps(_user(_img(scene_uri(0)), TEXT)).encode()
+        with ThreadPoolExecutor(1) as pool:
+            first = pool.submit(http_full, srv.url, "/v1/chat/completions", body)
+            deadline = time.monotonic() + 30
+            while http(srv, "/health")[1]["inflight"] == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            status, err, headers = http_full(srv.url, "/v1/chat/completions", body)
+            assert status == 429 and err["error"]["code"] == "pixel_budget"
+            assert headers["Retry-After"] == "1"
+            assert first.result()[0] == 200
+        status, err, _ = http_full(srv.url, "/v1/chat/completions", body)
+        assert status == 200  # the budget came back
+        samples = parse_prometheus(http(srv, "/metrics")[1])
+        assert metric(samples, "speceyes_pixels_in_flight") == 0
+        assert spy.sizes == [1, 1]
+        bigger = json.dumps(_user(_img(scene_uri(1)), TEXT)).encode()
+        assert http_full(srv.url, "/v1/chat/completions", bigger)[1]["error"]["code"] == (
+            "image_too_large"
+        )
+
+
+def test_a_poisoned_query_in_a_batch_is_answered_alone(q3, q25):
+    # A 1x300 image passes every check of the server, but the model's image processor refuses
+    # its aspect ratio: only that request fails (500, its id logged), its batch-mates answer.
+    funnel = make_funnel(q3, q25)
+    poison = to_data_uri(make_scene(size=(300, 1), box=(0, 0, 1, 1)))
+    bodies = [json.dumps(_user(_img(scene_uri(i)), TEXT)).encode() for i in range(3)]
+    bodies.insert(1, json.dumps(_user(_img(poison), TEXT)).encode())
+    with ServerThread(create_app(funnel, batch_size=4, max_wait_ms=500)) as srv:
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            got = list(pool.map(lambda b: http_full(srv.url, "/v1/chat/completions", b), bodies))
+    statuses = [g[0] for g in got]
+    assert statuses == [200, 500, 200, 200], got
+    assert (
+        got[1][1]["error"]["message"] == f"internal error (request id {got[1][2]['X-Request-Id']})"
+    )
+    assert funnel.stats.errors == 1
+
+
+# ---- authentication -----------------------------------------------------------------------
+def test_api_key_is_required_on_every_endpoint_but_health(q3, q25):
+    app = create_app(make_funnel(q3, q25), api_key="s3cret")
+    with ServerThread(app) as srv:
+        for path in ("/v1/models", "/metrics", "/v1/models/speceyes"):
+            status, body, headers = http_full(srv.url, path)
+            assert status == 401 and body["error"]["code"] == "invalid_api_key", path
+            assert headers["WWW-Authenticate"] == "Bearer"
+        status, body, _ = http_full(srv.url, "/metrics", headers={"Authorization": "Bearer wrong"})
+        assert status == 401
+        assert http_full(srv.url, "/metrics", headers={"Authorization": "Bearer s3cret"})[0] == 200
+        assert http(srv, "/health")[0] == 200  # probes need no key
+        bad = openai.OpenAI(base_url=srv.url + "/v1", api_key="nope", max_retries=0, timeout=60)
+        with bad, pytest.raises(openai.AuthenticationError) as exc:
+            bad.chat.completions.create(model="speceyes", messages=messages(scene_uri(0)))
+        assert exc.value.status_code == 401
+        good = openai.OpenAI(base_url=srv.url + "/v1", api_key="s3cret", max_retries=0, timeout=60)
+        with good:
+            r = good.chat.completions.create(model="speceyes", messages=messages(scene_uri(0)))
+            assert r.model_extra["speceyes"]["route"] in ROUTES
+            assert [m.id for m in good.models.list()] == ["speceyes"]
+        samples = parse_prometheus(
+            http_full(srv.url, "/metrics", headers={"Authorization": "Bearer s3cret"})[1]
+        )
+        assert metric(samples, "speceyes_requests_total", status="401") == 1
+
+
+# ---- responsive under load, pipelined, shutdown -------------------------------------------
+def test_health_answers_while_a_batch_runs(q3, q25):
+    funnel = make_funnel(q3, q25)
+    Spy(funnel, delay=1.0)  # the batch takes a second in the funnel thread
+    with ServerThread(create_app(funnel, batch_size=1)) as srv:
+        body = json.dumps(_user(_img(scene_uri(0)), TEXT)).encode()
+        with ThreadPoolExecutor(1) as pool:
+            done = pool.submit(http_full, srv.url, "/v1/chat/completions", body)
+            seen = []
+            while not done.done():
+                seen.append(http(srv, "/health")[1]["inflight"])
+            assert done.result()[0] == 200
+        assert 1 in seen  # answered while the batch was in the funnel
+
+
+def test_pipelined_server_answers_as_the_direct_run(q3, q25):
+    cfg = FunnelConfig(tau=TAU, batch_size=4, schedule="pipelined", max_agent_loops=4)
+    funnel = Funnel(q3, q25, ZoomAgent(q25, max_new_tokens=16), cfg)
+    reqs = [(scene_uri(i), f"What color is box {i}?") for i in range(8)]
+    with ServerThread(create_app(funnel, max_wait_ms=50)) as srv:
+        bodies = [json.dumps(_user(_img(u), {"type": "text", "text": t})).encode() for u, t in reqs]
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            got = list(pool.map(lambda b: http_full(srv.url, "/v1/chat/completions", b), bodies))
+    direct = make_funnel(q3, q25).run_batch(
+        [Query(id=str(i), image=u, question=t) for i, (u, t) in enumerate(reqs)]
+    )
+    assert {d.route for d in direct} == {"small", "agent_after_gate"}
+    for (status, body, _), d in zip(got, direct, strict=True):
+        assert status == 200
+        assert (body["speceyes"]["route"], body["choices"][0]["message"]["content"]) == (
+            d.route,
+            d.answer,
+        )
+
+
+STUCK_SERVER = """
+import sys, time
+from speceyes.funnel import FunnelConfig, FunnelStats
+from speceyes.serve import serve
+
+class Stuck:  # control flow only: a funnel whose model call never returns
+    config, stats = FunnelConfig(batch_size=1), FunnelStats()
+    def iter_batches(self, batches):
+        for _ in batches:
+            time.sleep(3600)
+        yield from ()
+
+serve(Stuck(), port=0, drain_timeout=float(sys.argv[1]))
+"""
+
+
+def _start(cmd: list[str]) -> tuple[subprocess.Popen, str, queue.Queue[str]]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()
+    deadline, seen = time.monotonic() + 90, []
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            seen.append(lines.get(timeout=1))
+        except queue.Empty:
+            continue
+        m = re.search(r"listening on (http://127\.0\.0\.1:\d+)", seen[-1])
+        if m:
+            return proc, m.group(1), lines
+    proc.kill()
+    raise AssertionError("".join(seen))
+
+
+def test_sigterm_exits_after_the_drain_timeout_even_with_a_stuck_model():
+    proc, url, _ = _start([sys.executable, "-c", STUCK_SERVER, "1.0"])
+    try:
+        body = json.dumps(_user(_img(scene_uri(0)), TEXT)).encode()
+        with ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(http_full, url, "/v1/chat/completions", body)
+            while http_full(url, "/health")[1]["inflight"] == 0:
+                time.sleep(0.02)
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=30) == 0
+            status, err, _ = fut.result()
+        assert status == 503 and err["error"]["code"] == "shutting_down"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.mark.slow
+def test_sigterm_drains_admitted_requests(tiny_dirs):
+    cmd = [sys.executable, "-m", "speceyes", "serve", "--small", str(tiny_dirs["qwen3_vl"])]
+    cmd += ["--large", str(tiny_dirs["qwen2_5_vl"]), "--mode", "small", "--port", "0"]
+    cmd += ["--batch-size", "1", "--max-wait-ms", "0"]
+    proc, url, _ = _start(cmd)
+    try:
+        body = json.dumps(_user(_img(scene_uri(0)), TEXT)).encode()
+        with ThreadPoolExecutor(16) as pool:
+            futs = [pool.submit(http_full, url, "/v1/chat/completions", body) for _ in range(16)]
+            while True:  # until every request has arrived (admitted, in the funnel or answered)
+                health = http_full(url, "/health")[1]
+                if health["queue"] + health["inflight"] + sum(f.done() for f in futs) >= 16:
+                    break
+                time.sleep(0.005)
+            proc.send_signal(signal.SIGTERM)  # with requests still queued
+            statuses = [f.result()[0] for f in futs]
+        assert proc.wait(timeout=60) == 0
+        assert statuses == [200] * 16  # every admitted request answered
+    finally:
+        if proc.poll() is None:
+            proc.kill()
