@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 
-from speceyes import gate
+from speceyes import gate, limits
 
 ROUTE_TEXT = {
     "small": "small model (judged tool-free, accepted by the gate)",
@@ -491,7 +492,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from speceyes.serve import serve
+    from speceyes.serve import API_KEY_ENV, serve
 
     # Fail on bad server settings before minutes of model loading.
     if args.max_queue < 1 or args.max_wait_ms < 0 or args.request_timeout <= 0:
@@ -508,6 +509,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         request_timeout=args.request_timeout,
         allow_local_files=args.allow_local_files,
         max_body_mb=args.max_body_mb,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        max_question_chars=args.max_question_chars,
+        max_option_chars=args.max_option_chars,
+        max_image_pixels=args.max_image_pixels,
+        max_pixels_in_flight=args.max_pixels_in_flight,
+        drain_timeout=args.drain_timeout,
     )
 
 
@@ -726,9 +733,46 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--model-name", default="speceyes", help="model id in /v1/models")
     srv.add_argument("--max-body-mb", type=float, default=32.0, help="largest request body")
     srv.add_argument("--allow-local-files", action="store_true", help="accept file:// image URLs")
+    srv.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every endpoint but /health (401 otherwise); "
+        "default: the SPECEYES_API_KEY environment variable, else no key",
+    )
+    srv.add_argument(
+        "--max-question-chars",
+        type=int,
+        default=limits.MAX_QUESTION_CHARS,
+        help="longest question accepted (413 beyond)",
+    )
+    srv.add_argument(
+        "--max-option-chars",
+        type=int,
+        default=limits.MAX_OPTION_CHARS,
+        help=f"longest option accepted (413 beyond); at most {limits.MAX_OPTIONS} options (400)",
+    )
+    srv.add_argument(
+        "--max-image-pixels",
+        type=int,
+        default=limits.MAX_IMAGE_PIXELS,
+        help="largest image (width x height, read from its header before decoding; 413 beyond)",
+    )
+    srv.add_argument(
+        "--max-pixels-in-flight",
+        type=int,
+        default=limits.MAX_PIXELS_IN_FLIGHT,
+        help="decoded image pixels all admitted requests may hold at once (429 beyond)",
+    )
+    srv.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM/Ctrl-C: seconds to answer admitted requests before exiting",
+    )
     add_model_args(srv)
     add_funnel_args(srv)
-    srv.set_defaults(func=cmd_serve)
+    # Accepted answers leave as soon as the gate accepts them, not after their batch-mates.
+    srv.set_defaults(func=cmd_serve, schedule="pipelined")
 
     sim = sub.add_parser(
         "simulate",
