@@ -135,19 +135,27 @@ def funnel_config(args: argparse.Namespace):
     from speceyes.funnel import FunnelConfig
 
     tau, top_k, agg = args.tau, args.top_k, args.agg
+    gate_kw: dict = {"judge_mode": args.judge_mode}
     if getattr(args, "calibration", None):
-        from speceyes.bench.calibrate import read_calibration
+        from speceyes.bench.calibrate import check_setup, read_calibration
 
+        # The file holds the whole gate and judge setting it was calibrated with, and must
+        # have been made for these models (a tau is only valid for its setup).
         cal = read_calibration(args.calibration)
+        check_setup(cal, args.small, args.large, getattr(args, "agent", None))
         tau = cal.tau if tau is None else tau
-        top_k, agg = cal.top_k, cal.agg
+        top_k, agg, gate_kw["alpha"] = cal.top_k, cal.agg, cal.alpha
+        if cal.judge_mode:
+            gate_kw["judge_mode"] = cal.judge_mode
+        if cal.judge_threshold is not None:
+            gate_kw["judge_threshold"] = cal.judge_threshold
     _protocol_defaults(args)
     return FunnelConfig(
         mode=args.mode,
         tau=gate.DEFAULT_TAU[getattr(args, "agent", "deepeyes")] if tau is None else tau,
         top_k=top_k,
         agg=agg,
-        judge_mode=args.judge_mode,
+        **gate_kw,
         batch_size=args.batch_size,
         schedule=args.schedule,
         overlap=args.overlap,
@@ -427,10 +435,15 @@ def cmd_view(args: argparse.Namespace) -> int:
 
 
 def cmd_regate(args: argparse.Namespace) -> int:
-    from speceyes.bench.regate import default_taus, format_table, regate
+    from speceyes.bench.regate import default_taus, format_table, in_sample_note, regate
     from speceyes.bench.runlog import load_run
 
     run = load_run(args.run, require_results=False)
+    if args.split:
+        from speceyes.bench.splits import parse_split, split_run
+
+        split = parse_split(args.split, args.seed)
+        run = split_run(run, split)[split.names[split.index(args.part)]]
     taus = _floats(args.tau) if args.tau else list(default_taus())
     ks = [int(k) for k in args.top_k.split(",")] if args.top_k else [None]
     aggs = args.agg.split(",") if args.agg else [None]
@@ -444,33 +457,34 @@ def cmd_regate(args: argparse.Namespace) -> int:
         print(json.dumps([asdict(r) for r in rows], indent=2, default=float))
     else:
         print(format_table(rows))
+    print(in_sample_note(run, len(rows)), file=sys.stderr if args.json else sys.stdout)
     return 0
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from speceyes.bench.calibrate import calibrate, write_calibration
+    from speceyes.bench.calibrate import calibrate, format_calibration, write_calibration
     from speceyes.bench.runlog import load_run
+    from speceyes.bench.splits import parse_split
 
     run = load_run(args.run, require_results=False)
     cal = calibrate(
         run,
         max_error=args.max_error,
         confidence=args.confidence,
-        top_k=args.top_k,
-        agg=args.agg,
+        top_k=[int(k) for k in args.top_k.split(",")] if args.top_k else None,
+        agg=[a.strip() for a in args.agg.split(",")] if args.agg else None,
         min_relative_accuracy=args.min_relative_accuracy,
+        split=parse_split(args.split, args.seed) if args.split else None,
+        holdout=load_run(args.holdout, require_results=False) if args.holdout else None,
     )
     out = Path(args.output or Path(args.run) / "calibration.json")
     write_calibration(cal, out)
-    status = "guarantee holds" if cal.passed else "no tau passed: accept nothing"
-    print(f"tau = {cal.tau:.6f}  ({status}; {cal.method}, n={cal.n})")
-    print(f"expected acceptance among tool-free = {cal.expected_acceptance:.3f}")
-    if cal.expected_speedup is not None:
-        print(f"expected speedup over agent-only = {cal.expected_speedup:.2f}x")
-    if cal.note:
-        print(cal.note)
+    print(format_calibration(cal))
+    if not cal.passed:
+        print(f"wrote {out} (a record only: eval and serve refuse it)", file=sys.stderr)
+        return 1
     print(f"wrote {out} (pass it to eval or serve with --calibration)")
     return 0
 
@@ -654,6 +668,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rg.add_argument("--top-k", default=None, help="K values up to the logged K, e.g. '20,64'")
     rg.add_argument("--agg", default=None, help="aggregations, e.g. 'min,mean,bottom,log'")
+    rg.add_argument(
+        "--split",
+        default=None,
+        help="replay only one part of the run: weights sweep:calib:test (e.g. 40:30:30) or "
+        "calib:test, stratified by category; the same --split and --seed as calibrate",
+    )
+    rg.add_argument("--part", default="sweep", help="with --split: sweep | calib | test | 1-3")
+    rg.add_argument("--seed", type=int, default=0, help="with --split: the split's seed")
     rg.add_argument("--json", action="store_true")
     rg.set_defaults(func=cmd_regate)
 
@@ -662,7 +684,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="choose tau with a finite-sample guarantee on the error of accepted answers",
         description="Learn-then-test with fixed-sequence testing and exact binomial bounds: the "
         "error rate among accepted speculative answers is at most --max-error with probability "
-        "at least --confidence (over the calibration sample).",
+        "at least --confidence (over the calibration sample). Several --top-k/--agg values are "
+        "tested as one family (Bonferroni across them), so the guarantee holds for the one "
+        "kept. --split or --holdout measure accuracy, error among accepted and speedup on "
+        "queries the test never saw. Exits 1 when no tau passes.",
     )
     cal.add_argument("run", help="run folder of a --mode both eval")
     cal.add_argument("--max-error", type=float, default=0.05)
@@ -673,8 +698,16 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="instead: funnel accuracy >= r x agent-only accuracy",
     )
-    cal.add_argument("--top-k", type=int, default=None)
-    cal.add_argument("--agg", default=None, choices=list(gate.AGGREGATIONS))
+    cal.add_argument("--top-k", default=None, help="K, or several ('20,64') tested as a family")
+    cal.add_argument("--agg", default=None, help="aggregation, or several ('min,mean')")
+    cal.add_argument(
+        "--split",
+        default=None,
+        help="calib:test (e.g. 50:50) or sweep:calib:test weights: calibrate on the calib part, "
+        "measure on the test part (seeded, stratified by category)",
+    )
+    cal.add_argument("--seed", type=int, default=0, help="seed of --split")
+    cal.add_argument("--holdout", default=None, help="run folder (same setup) to measure on")
     cal.add_argument("--output", default=None, help="default RUN/calibration.json")
     cal.set_defaults(func=cmd_calibrate)
 

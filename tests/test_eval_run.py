@@ -161,14 +161,19 @@ def test_report_regate_calibrate_on_a_real_run(tiny_dirs, vstar, tmp_path, capsy
     logged = read_logged(run / "samples.jsonl")
     # Replaying the run's own tau reproduces its routing decisions.
     assert row["small_share"] == pytest.approx(sum(r["route"] == "small" for r in logged) / len(logged))
-    assert main(["calibrate", str(run), "--max-error", "0.2", "--output", str(tmp_path / "cal.json")]) == 0
-    assert json.loads((tmp_path / "cal.json").read_text())["method"].startswith("ltt")
+    # 8 queries are too few for any tau to pass: calibrate says so and exits 1.
+    assert main(["calibrate", str(run), "--max-error", "0.2", "--output", str(tmp_path / "cal.json")]) == 1
+    cal = json.loads((tmp_path / "cal.json").read_text())
+    assert cal["method"].startswith("ltt") and not cal["passed"]
     assert main(["report", str(run), "--output", str(tmp_path / "rep")]) == 0
     assert "both" in (tmp_path / "rep" / "report.md").read_text()
-    # eval accepts the calibration file.
     out2 = tmp_path / "calibrated"
     args = _args(tiny_dirs, vstar, out2, "--limit", "2", "--calibration", str(tmp_path / "cal.json"))
     args[args.index("--tau") : args.index("--tau") + 2] = []
+    capsys.readouterr()
+    assert main(args) == 2 and "accepts nothing" in capsys.readouterr().err  # refused
+    # A passing file made for these models is applied.
+    (tmp_path / "cal.json").write_text(json.dumps(cal | {"passed": True, "tau": 0.5}))
     assert main(args) == 0
     cal_tau = json.loads((tmp_path / "cal.json").read_text())["tau"]
     assert json.loads((out2 / "results.json").read_text())["config"]["tau"] == cal_tau

@@ -32,10 +32,11 @@ No scipy: the binomial CDF is an exact log-pmf sum using math.lgamma (fine for n
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,12 +45,14 @@ import numpy as np
 from speceyes import gate
 from speceyes.bench import regate as rg
 from speceyes.bench.runlog import Run
+from speceyes.bench.splits import Split, split_run
 
 METHOD_MAX_ERROR = "ltt-fixed-sequence-clopper-pearson"
 METHOD_RELATIVE = "ltt-fixed-sequence-empirical-bernstein"
 METHODS = (METHOD_MAX_ERROR, METHOD_RELATIVE)
+MIN_RATE_COUNT = 20  # accepted answers below which an observed error rate is not extrapolated
 NO_TAU = 1.0  # confidence > 1.0 never holds: accept nothing
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: records the setup (models, agent, judge) and held-out numbers
 
 _log_fact = np.zeros(1)  # log(i!) for i = 0..len-1, grown on demand
 
@@ -153,6 +156,45 @@ def candidate_taus(conf: np.ndarray, n_grid: int = 200) -> np.ndarray:
     return np.unique(np.append(qs, 0.0))[::-1]
 
 
+@dataclass(frozen=True)
+class LttScan:
+    """Every candidate's counts and p-value, most conservative candidate first."""
+
+    taus: np.ndarray
+    accepted: np.ndarray  # int per candidate
+    errors: np.ndarray  # int per candidate
+    pvalues: np.ndarray  # P(Bin(accepted, E) <= errors)
+    testable: np.ndarray  # bool: enough accepted to start the sequence here
+
+
+def ltt_scan(
+    conf: np.ndarray,
+    wrong: np.ndarray,
+    max_error: float,
+    delta: float,
+    taus: Sequence[float] | np.ndarray | None = None,
+    n_grid: int = 200,
+    start_rate: float = 0.5,
+) -> LttScan:
+    """Counts and exact p-values for every candidate tau (labels enter only the error counts)."""
+    _check_levels(max_error, delta)
+    cands = _descending(taus) if taus is not None else candidate_taus(conf, n_grid)
+    m, sums = rg.sums_above(conf, np.asarray(wrong, float)[:, None], cands)
+    errors = np.rint(sums[:, 0]).astype(np.int64)
+    m = np.asarray(m, dtype=np.int64)
+    testable = m >= min_accepted(max_error, delta, start_rate, limit=int(m.max(initial=0)))
+    return LttScan(cands, m, errors, binom_pvalues(errors, m, max_error), testable)
+
+
+def fixed_sequence_choice(scan: LttScan, delta: float) -> tuple[int, int]:
+    """(index of the chosen candidate or -1, candidates tested): test the testable candidates
+    from the most conservative down and stop at the first that is not rejected."""
+    order = np.flatnonzero(scan.testable)
+    fails = scan.pvalues[order] > delta
+    stop = int(np.argmax(fails)) if fails.any() else len(order)
+    return (int(order[stop - 1]) if stop else -1), min(stop + 1, len(order))
+
+
 def ltt_max_error(
     conf: np.ndarray,
     wrong: np.ndarray,
@@ -168,22 +210,30 @@ def ltt_max_error(
     is never accepted. Testing starts at the first candidate accepting at least
     ``min_accepted(max_error, delta, start_rate)`` samples (a count, never a label).
     """
-    _check_levels(max_error, delta)
-    cands = _descending(taus) if taus is not None else candidate_taus(conf, n_grid)
-    m, sums = rg.sums_above(conf, np.asarray(wrong, float)[:, None], cands)
-    errors = np.rint(sums[:, 0]).astype(np.int64)
-    testable = m >= min_accepted(max_error, delta, start_rate, limit=int(m.max(initial=0)))
-    best, tested = -1, 0
-    for j in np.flatnonzero(testable):
-        tested += 1
-        if binom_pvalue(int(errors[j]), int(m[j]), max_error) > delta:
-            break
-        best = int(j)
+    scan = ltt_scan(conf, wrong, max_error, delta, taus, n_grid, start_rate)
+    best, tested = fixed_sequence_choice(scan, delta)
     n = int(np.sum(np.isfinite(conf)))
     if best < 0:
         return LttResult(NO_TAU, float("nan"), n, 0, tested, False)
-    bound = clopper_pearson_upper(int(errors[best]), int(m[best]), delta)
-    return LttResult(float(cands[best]), bound, n, int(m[best]), tested, True)
+    m, k = int(scan.accepted[best]), int(scan.errors[best])
+    bound = clopper_pearson_upper(k, m, delta)
+    return LttResult(float(scan.taus[best]), bound, n, m, tested, True)
+
+
+@functools.lru_cache(maxsize=4096)
+def _cdf_row(n: int, p: float) -> np.ndarray:
+    """P(Bin(n, p) <= k) for k = 0..n, as one cumulative sum of exact pmf terms."""
+    return np.minimum(np.cumsum(np.exp(binom_logpmf(np.arange(n + 1), n, p))), 1.0)
+
+
+def binom_pvalues(errors: np.ndarray, n: np.ndarray, max_error: float) -> np.ndarray:
+    """``binom_pvalue`` elementwise (1.0 where n is 0), one CDF row per distinct n."""
+    errors, n = np.asarray(errors, np.int64), np.asarray(n, np.int64)
+    out = np.ones(n.shape)
+    for size in np.unique(n[n > 0]):
+        sel = n == size
+        out[sel] = _cdf_row(int(size), float(max_error))[np.minimum(errors[sel], size)]
+    return out
 
 
 def min_accepted(max_error: float, delta: float, start_rate: float = 0.5, limit: int = 10**6):
@@ -270,7 +320,13 @@ def _check_delta(delta: float) -> None:
 
 @dataclass
 class Calibration:
-    """A calibrated gate setting, written as JSON for ``eval``/``serve --calibration FILE``."""
+    """A calibrated gate setting, written as JSON for ``eval``/``serve --calibration FILE``.
+
+    It records the setup it is valid for (models, agent, judge mode and threshold) besides the
+    gate (tau, top-K, aggregation, sigmoid scale); ``eval``/``serve`` apply all of it and refuse
+    other models (``check_setup``). ``expected_*`` are measured on the calibration queries;
+    ``held_out`` on queries the test never saw.
+    """
 
     tau: float
     top_k: int
@@ -281,8 +337,9 @@ class Calibration:
     method: str
     n: int  # calibration queries the risk is measured on
     n_accepted: int = 0
+    n_queries: int = 0  # all queries of the calibration run (or part)
     bound: float | None = None  # upper bound on the controlled risk at tau (level 1 - C)
-    expected_acceptance: float | None = None  # alpha at tau on the calibration run
+    expected_acceptance: float | None = None  # alpha at tau on the calibration queries
     expected_small_share: float | None = None  # beta * alpha
     expected_speedup: float | None = None
     min_relative_accuracy: float | None = None
@@ -290,6 +347,16 @@ class Calibration:
     passed: bool = True  # False: no tau passed, tau = 1.0 accepts nothing
     source: str | None = None
     note: str = ""
+    models: dict[str, str | None] | None = None  # {"small": ..., "large": ...} as the run had them
+    agent: str | None = None
+    judge_mode: str | None = None
+    judge_threshold: float | None = None
+    family: list[dict[str, Any]] = field(default_factory=list)  # every (K, agg) tested
+    split: str | None = None  # e.g. "50:50 (seed 0)", or None for the whole run
+    holdout: str | None = None  # run folder measured as the held-out part
+    held_out: dict[str, Any] | None = None  # accuracy, error among accepted, speedup there
+    needed_n: int | None = None  # no tau passed: queries needed at the observed error rate
+    speedup_model: str = ""
     version: int = FORMAT_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -297,6 +364,10 @@ class Calibration:
 
 
 def _json_safe(v: Any) -> Any:
+    if isinstance(v, dict):
+        return {k: _json_safe(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_json_safe(x) for x in v]
     if isinstance(v, (float, np.floating)):
         return None if not math.isfinite(v) else float(v)
     if isinstance(v, np.integer):
@@ -304,47 +375,93 @@ def _json_safe(v: Any) -> Any:
     return v
 
 
+@dataclass(frozen=True)
+class FamilyMember:
+    """One gate configuration tested inside the family."""
+
+    top_k: int
+    agg: str
+    result: LttResult
+
+
 def calibrate(
     run: Run,
     max_error: float = 0.05,
     confidence: float = 0.9,
     *,
-    top_k: int | None = None,
-    agg: str | None = None,
+    top_k: int | Sequence[int] | None = None,
+    agg: str | Sequence[str] | None = None,
     alpha: float | None = None,
     taus: Sequence[float] | np.ndarray | None = None,
     min_relative_accuracy: float | None = None,
     n_grid: int = 200,
     start_rate: float = 0.5,
+    holdout: Run | None = None,
+    split: Split | None = None,
 ) -> Calibration:
-    """Calibrate tau on a logged run (see the module doc for the guarantee)."""
-    g = rg.resolve_gate(run, top_k, agg, alpha)
-    conf = rg.confidences(run, g.top_k, g.agg, g.alpha)
+    """Calibrate tau on a logged run (see the module doc for the guarantee).
+
+    Several ``top_k`` / ``agg`` values form one family: each configuration is tested by fixed
+    sequence at level delta / (number of configurations) (Bonferroni), and the passing one that
+    accepts most is kept, so the guarantee holds for the chosen configuration. ``split``
+    calibrates on its ``calib`` part and measures on its ``test`` part; ``holdout`` measures on
+    another run of the same setup.
+    """
+    if split is not None and holdout is not None:
+        raise ValueError("give either a split or a holdout run, not both")
+    source = str(run.path)
+    calib_run, test_run = run, holdout
+    if split is not None:
+        parts = split_run(run, split)
+        calib_run, test_run = parts["calib"], parts["test"]
+    if test_run is not None and holdout is not None:
+        _check_holdout(run, holdout)
+    ks = _as_list(top_k)
+    aggs = _as_list(agg)
+    configs = [rg.resolve_gate(calib_run, k, a, alpha) for k in ks for a in aggs]
     delta = 1.0 - confidence
+    family_delta = delta / len(configs)
     note = ""
+    members: list[FamilyMember] = []
+    for g in configs:
+        conf = rg.confidences(calib_run, g.top_k, g.agg, g.alpha)
+        if min_relative_accuracy is not None:
+            rg.check_replayable(calib_run)
+            res = ltt_relative_accuracy(
+                conf,
+                calib_run.judge_tool == 0,
+                rg.known_correct(calib_run.small_correct),
+                rg.known_correct(calib_run.agent_correct),
+                min_relative_accuracy,
+                family_delta,
+                taus,
+                n_grid,
+            )
+        else:
+            eligible, note = _gate_population(calib_run)
+            # Unknown correctness (errors) among eligible answers counts as wrong: conservative.
+            wrong = ~rg.known_correct(calib_run.small_correct[eligible])
+            res = ltt_max_error(
+                conf[eligible], wrong, max_error, family_delta, taus, n_grid, start_rate
+            )
+        members.append(FamilyMember(g.top_k, g.agg, res))
+    passing = [m for m in members if m.result.passed]
+    chosen = max(passing, key=lambda m: m.result.n_accepted) if passing else members[0]
+    g = rg.GateSetting(chosen.top_k, chosen.agg, configs[0].alpha)
+    res = chosen.result
     if min_relative_accuracy is not None:
-        rg.check_replayable(run)
-        tool_free = run.judge_tool == 0
-        res = ltt_relative_accuracy(
-            conf,
-            tool_free,
-            rg.known_correct(run.small_correct),
-            rg.known_correct(run.agent_correct),
-            min_relative_accuracy,
-            delta,
-            taus,
-            n_grid,
-        )
-        method, max_err = METHOD_RELATIVE, None
+        method, max_err, needed = METHOD_RELATIVE, None, None
     else:
-        eligible, note = _gate_population(run)
-        # Unknown correctness (errors) among eligible answers counts as wrong: conservative.
-        wrong = ~rg.known_correct(run.small_correct[eligible])
-        res = ltt_max_error(conf[eligible], wrong, max_error, delta, taus, n_grid, start_rate)
         method, max_err = METHOD_MAX_ERROR, max_error
+        needed = (
+            None
+            if res.passed
+            else _needed_n(calib_run, configs, max_error, family_delta, start_rate)
+        )
     if not res.passed:
         note = (note + " " if note else "") + "no candidate tau passed the test: accept nothing"
-    acc, share, speed = _expectations(run, res.tau, g)
+    acc, share, speed = _expectations(calib_run, res.tau, g)
+    cfg = run.config
     return Calibration(
         tau=res.tau,
         top_k=g.top_k,
@@ -355,6 +472,7 @@ def calibrate(
         method=method,
         n=res.n,
         n_accepted=res.n_accepted,
+        n_queries=calib_run.n,
         bound=res.bound,
         expected_acceptance=acc,
         expected_small_share=share,
@@ -362,9 +480,128 @@ def calibrate(
         min_relative_accuracy=min_relative_accuracy,
         candidates_tested=res.tested,
         passed=res.passed,
-        source=str(run.path),
+        source=source,
         note=note,
+        models=dict(cfg["models"]) if isinstance(cfg.get("models"), dict) else None,
+        agent=cfg.get("agent"),
+        judge_mode=cfg.get("judge_mode"),
+        judge_threshold=cfg.get("judge_threshold"),
+        family=[
+            {
+                "top_k": m.top_k,
+                "agg": m.agg,
+                "passed": m.result.passed,
+                "tau": m.result.tau,
+                "n_accepted": m.result.n_accepted,
+                "delta": family_delta,
+            }
+            for m in members
+        ],  # fmt: skip
+        split=None if split is None else str(split),
+        holdout=None if holdout is None else str(holdout.path),
+        held_out=None if test_run is None else held_out_metrics(test_run, res.tau, g),
+        needed_n=needed,
+        speedup_model=rg.speedup_model(calib_run).describe(),
     )
+
+
+def _as_list(x: Any) -> list:
+    if x is None or isinstance(x, (str, int)):
+        return [x]
+    out = list(x)
+    if not out:
+        raise ValueError("give at least one top-K and one aggregation")
+    return out
+
+
+def _check_holdout(run: Run, holdout: Run) -> None:
+    """The held-out run must come from the same setup and share no query with the calibration."""
+    for key in ("models", "agent", "judge_mode", "judge_threshold"):
+        a, b = run.config.get(key), holdout.config.get(key)
+        if a is not None and b is not None and a != b:
+            raise ValueError(
+                f"holdout {holdout.path} was made with another {key} ({b!r}, calibration run "
+                f"{a!r}): its numbers would not describe this calibration"
+            )
+    shared = len(set(run.ids) & set(holdout.ids))
+    if shared:
+        raise ValueError(
+            f"holdout {holdout.path} shares {shared} queries with {run.path}: not held out "
+            "(use --split to cut one run into parts)"
+        )
+
+
+def held_out_metrics(run: Run, tau: float, g: rg.GateSetting) -> dict[str, Any]:
+    """Accuracy, error among accepted answers and speedup at tau on queries not used to pick it."""
+    conf = rg.confidences(run, g.top_k, g.agg, g.alpha)
+    eligible, _ = _gate_population(run)
+    accepted = eligible & (np.nan_to_num(conf, nan=-np.inf) > tau)
+    wrong = ~rg.known_correct(run.small_correct)
+    n_acc = int(accepted.sum())
+    out: dict[str, Any] = {
+        "n": run.n,
+        "n_accepted": n_acc,
+        "accepted_error": float(wrong[accepted].mean()) if n_acc else None,
+        "acceptance": float(n_acc / eligible.sum()) if eligible.any() else None,
+    }
+    try:
+        row = rg.regate(run, [tau], g.top_k, g.agg, g.alpha)[0]
+    except ValueError:  # not a both run: no agent answers to replay accuracy with
+        return out
+    out |= {
+        "accuracy": row.accuracy,
+        "agent_only_accuracy": float(rg.known_correct(run.agent_correct).mean()),
+        "small_share": row.small_share,
+        "speedup": row.speedup,
+    }
+    return out
+
+
+def _needed_n(
+    run: Run,
+    configs: list[rg.GateSetting],
+    max_error: float,
+    delta: float,
+    start_rate: float = 0.5,
+    max_scale: float = 1e4,
+) -> int | None:
+    """Queries a run would need for the test to pass if its error rates stayed as observed.
+
+    The run is scaled by a factor c: every candidate's accepted count becomes c*m and its error
+    rate (e + 1)/(m + 1) (one error added, so a handful of lucky answers does not promise a
+    pass); the same fixed-sequence test then runs on those counts, from the first candidate with
+    at least MIN_RATE_COUNT answers today (fewer say too little about a rate). Returns the smallest run size
+    that passes for some configuration (to 1%), or None when none passes even at ``max_scale``
+    times the data (more data would not help: run agent-only).
+    """
+    eligible, _ = _gate_population(run)
+    wrong = ~rg.known_correct(run.small_correct[eligible])
+    scans = []
+    for g in configs:
+        conf = rg.confidences(run, g.top_k, g.agg, g.alpha)[eligible]
+        m, sums = rg.sums_above(conf, wrong.astype(float)[:, None], candidate_taus(conf))
+        scans.append((np.asarray(m, float), (sums[:, 0] + 1.0) / (np.asarray(m, float) + 1.0)))
+
+    def passes(c: float) -> bool:
+        for m, rate in scans:
+            mc = np.floor(m * c).astype(np.int64)
+            ec = np.floor(rate * mc).astype(np.int64)
+            start = min_accepted(max_error, delta, start_rate, limit=int(mc.max(initial=0)))
+            testable = (mc >= start) & (m >= MIN_RATE_COUNT)
+            scan = LttScan(m, mc, ec, binom_pvalues(ec, mc, max_error), testable)
+            if fixed_sequence_choice(scan, delta)[0] >= 0:
+                return True
+        return False
+
+    if not passes(max_scale):
+        return None
+    lo, hi = 1.0, 2.0
+    while not passes(hi):
+        lo, hi = hi, hi * 2
+    while hi / lo > 1.01:
+        mid = math.sqrt(lo * hi)
+        lo, hi = (lo, mid) if passes(mid) else (mid, hi)
+    return int(math.ceil(hi * run.n))
 
 
 def _gate_population(run: Run) -> tuple[np.ndarray, str]:
@@ -403,6 +640,117 @@ def _analytic_speedup(run: Run, beta: float, acc: float) -> float | None:
     return l_agent / latency if latency > 0 else None
 
 
+def format_calibration(cal: Calibration) -> str:
+    """The calibration in words: the guarantee, where each number was measured, what to do."""
+    level = f"probability >= {cal.confidence:g}"
+    if cal.method == METHOD_RELATIVE:
+        claim = f"funnel accuracy >= {cal.min_relative_accuracy:g} x agent-only, with {level}"
+    else:
+        claim = f"error among accepted answers <= {cal.max_error:g}, with {level}"
+    where = f"calibration part of split {cal.split}" if cal.split else "the calibration run"
+    family = len(cal.family) or 1
+    lines = [f"guarantee ({where}, n={cal.n} gated queries): {claim}"]
+    if family > 1:
+        tried = ", ".join(f"K={m['top_k']}/{m['agg']}" for m in cal.family)
+        lines.append(
+            f"family of {family} configurations ({tried}), each tested at delta/{family} "
+            "(Bonferroni); the guarantee holds for the one kept"
+        )
+    if cal.passed:
+        lines.append(
+            f"tau = {cal.tau:.6f}  K={cal.top_k} agg={cal.agg} sigmoid scale={cal.alpha:g}; "
+            f"bound {cal.bound:.4f} on {cal.n_accepted} accepted ({cal.method})"
+        )
+        share = "-" if cal.expected_acceptance is None else f"{cal.expected_acceptance:.3f}"
+        speed = "-" if cal.expected_speedup is None else f"{cal.expected_speedup:.2f}x"
+        lines.append(f"on the calibration queries: acceptance {share}, speedup {speed}")
+    else:
+        lines.append("NO tau passed the test: the gate must accept nothing at this setting.")
+        if cal.method == METHOD_RELATIVE:
+            lines.append(
+                "No tau keeps the funnel's accuracy at the target: calibrate on more queries, "
+                "or run agent-only (--mode agent)."
+            )
+        elif cal.needed_n is not None:
+            lines.append(
+                f"If error rates stay as observed, about {cal.needed_n} queries would be needed "
+                f"for a tau to pass (the calibration set has {_run_size(cal)}); or run "
+                "agent-only (--mode agent)."
+            )
+        else:
+            lines.append(
+                "Even the most confident small answers err too often for any amount of data "
+                "to pass: run agent-only (--mode agent), or loosen --max-error / --confidence."
+            )
+    h = cal.held_out
+    if h:
+        what = f"held out ({cal.holdout or 'test part'}, n={h['n']})"
+        parts = [f"accepted {h['n_accepted']}"]
+        if h.get("accepted_error") is not None:
+            parts.append(f"error among accepted {h['accepted_error']:.4f}")
+        if h.get("accuracy") is not None:
+            parts.append(
+                f"accuracy {h['accuracy']:.4f} (agent-only {h['agent_only_accuracy']:.4f})"
+            )
+        if h.get("speedup") is not None and math.isfinite(h["speedup"]):
+            parts.append(f"speedup {h['speedup']:.2f}x")
+        lines.append(f"{what}: " + ", ".join(parts))
+    else:
+        lines.append(
+            "all numbers above are in-sample; --split calib:test or --holdout RUN measures them "
+            "on queries the test never saw"
+        )
+    if cal.speedup_model:
+        lines.append(f"speedup model: {cal.speedup_model}")
+    if cal.note:
+        lines.append(cal.note)
+    return "\n".join(lines)
+
+
+def _run_size(cal: Calibration) -> str:
+    return f"{cal.n_queries} queries" if cal.n_queries else "too few"
+
+
+# ---------------------------------------------------------------------------- setup
+
+
+def _same_model(recorded: str | None, given: str | None) -> bool:
+    """Same model spec: equal text, or the same existing folder."""
+    if recorded is None or given is None:
+        return recorded == given
+    if recorded.rstrip("/") == given.rstrip("/"):
+        return True
+    a, b = Path(recorded), Path(given)
+    return a.exists() and b.exists() and a.resolve() == b.resolve()
+
+
+def check_setup(cal: Calibration, small: str | None, large: str | None, agent: str | None) -> None:
+    """Raise a clear error unless the calibration was made for these models and this agent."""
+    where = f" (calibration from {cal.source})" if cal.source else ""
+    if not cal.passed:
+        raise ValueError(
+            f"this calibration file accepts nothing: no tau passed its test{where}. Use --mode "
+            "agent, or calibrate on more queries (the file's needed_n estimates how many)"
+        )
+    if not cal.models:
+        raise ValueError(
+            f"the calibration file records no models{where}; it cannot be checked against this "
+            "setup. Re-run speceyes calibrate on a run made with these models"
+        )
+    for role, given in (("small", small), ("large", large)):
+        recorded = cal.models.get(role)
+        if not _same_model(recorded, given):
+            raise ValueError(
+                f"the calibration file was made for --{role} {recorded!r}, not {given!r}{where}: "
+                "tau is only valid for the models, backend and K it was calibrated with; "
+                "calibrate on a run of this setup"
+            )
+    if cal.agent and agent and cal.agent != agent:
+        raise ValueError(
+            f"the calibration file was made with --agent {cal.agent}, not {agent}{where}"
+        )
+
+
 # ---------------------------------------------------------------------------- the JSON file
 
 
@@ -435,13 +783,18 @@ def read_calibration(path: str | Path) -> Calibration:
         raise ValueError(f"{path}: top_k must be >= 2, got {top_k}")
     if agg not in gate.AGGREGATIONS:
         raise ValueError(f"{path}: unknown aggregation {agg!r}")
+    judge_mode = data.get("judge_mode")
+    if judge_mode is not None and judge_mode not in ("logit", "decode"):
+        raise ValueError(f"{path}: unknown judge_mode {judge_mode!r}")
     known = set(Calibration.__dataclass_fields__)
-    fields = {k: v for k, v in data.items() if k in known}
-    fields.update(tau=tau, top_k=top_k, agg=agg)
-    fields.setdefault("alpha", gate.DEFAULT_ALPHA)
-    fields["alpha"] = gate.DEFAULT_ALPHA if fields["alpha"] is None else float(fields["alpha"])
-    fields.setdefault("max_error", None)
-    fields.setdefault("confidence", float("nan"))
-    fields.setdefault("method", "unknown")
-    fields.setdefault("n", 0)
-    return Calibration(**fields)
+    values = {k: v for k, v in data.items() if k in known}
+    values.update(tau=tau, top_k=top_k, agg=agg)
+    values["alpha"] = float(values.get("alpha") or gate.DEFAULT_ALPHA)
+    if values.get("judge_threshold") is not None:
+        values["judge_threshold"] = float(values["judge_threshold"])
+    values.setdefault("max_error", None)
+    values.setdefault("confidence", float("nan"))
+    values.setdefault("method", "unknown")
+    values.setdefault("n", 0)
+    values.setdefault("version", 1)  # files before version 2 did not write it
+    return Calibration(**values)

@@ -5,11 +5,17 @@ and the agent answer, so the funnel's routing can be replayed for any gate setti
 model. Routing (DESIGN.md section 1): judge says tools -> agent ("agent_after_judge"); else accept
 the small answer iff confidence > tau ("small"), else agent ("agent_after_gate").
 
-Timing model for one query: t_judge + (t_small if judged tool-free) + (t_agent if routed to the
-agent), from the query's own logged timings (a phase missing for a query falls back to the run's
-mean for that phase). Agent-only cost is t_agent. Estimated speedup = sum(agent-only) /
-sum(replayed). The analytic form E[L] = c_J + beta*c_S + (1 - beta*alpha)*L_agent is reported
-alongside; the two differ when agent time correlates with the gate's decision.
+Timing model: judge time of every query, plus the small model's time on the queries judged
+tool-free (logged per query; a phase missing for a query falls back to the run's mean), plus the
+agent phase's wall time for the loops the routing keeps. The agent phase is replayed on the run's
+own schedule with a step cost fitted to its logged times (``occupancy``): after routing fewer
+loops share each batched step, which saves less than their summed per-query shares. Runs that do
+not log their schedule fall back to summing the shares (GPU time; the assumption is stated by
+``speedup_model``). Estimated speedup = agent-only agent wall / replayed total. The analytic form
+E[L] = c_J + beta*c_S + (1 - beta*alpha)*L_agent (per-query means) is reported alongside.
+
+Every number replayed from a run is in-sample for whatever was chosen by looking at it: pick
+K, aggregation or tau on one part of a run (``splits``) and measure on another.
 
 Confidences are computed once per (K, aggregation, sigmoid scale) through ``gate.batch_confidence``
 and cached on the Run; a tau sweep is then one sort plus cumulative sums, O((n + T) log n).
@@ -23,6 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from speceyes import gate
+from speceyes.bench import occupancy
 from speceyes.bench.runlog import Run
 
 ROUTE_SMALL = "small"
@@ -202,16 +209,18 @@ def regate(
     cats = run.category_names
     onehot = run.categories[:, None] == np.array(cats, dtype=object)[None, :]
 
-    # Per accepted query: the change in correct answers, per category, agent time saved, error.
+    # Per accepted query: the change in correct answers, per category, and its error.
     gain = (sc.astype(float) - ac.astype(float))[:, None]
-    columns = np.hstack([gain, gain * onehot, t.agent[:, None], (~sc).astype(float)[:, None]])
+    columns = np.hstack([gain, gain * onehot, (~sc).astype(float)[:, None]])
     m, sums = sums_above(conf[tool_free], columns[tool_free], taus_arr)
 
     n, n_tf = run.n, int(tool_free.sum())
     cat_base = (ac[:, None] & onehot).sum(axis=0)
     per_cat = (cat_base[None, :] + sums[:, 1 : 1 + len(cats)]) / np.maximum(onehot.sum(axis=0), 1)
-    agent_total = t.agent.sum()
-    cost = t.judge.sum() + t.small[tool_free].sum() + agent_total - sums[:, -2]
+    step = speedup_model(run)
+    keep = ~(tool_free[:, None] & (np.nan_to_num(conf, nan=-np.inf)[:, None] > taus_arr[None, :]))
+    agent_total = occupancy.agent_wall(run, np.ones(n, bool), step)
+    cost = t.judge.sum() + t.small[tool_free].sum() + occupancy.agent_wall(run, keep, step)
     beta = n_tf / n
     alpha_acc = m / n_tf if n_tf else np.full(len(m), np.nan)
     c_small = float(t.small[tool_free].mean()) if n_tf else float(t.small.mean())
@@ -240,6 +249,11 @@ def regate(
         )
         for j, tau in enumerate(taus_arr)
     ]
+
+
+def speedup_model(run: Run) -> occupancy.StepCost:
+    """The agent-phase cost model regate uses for this run (see ``occupancy``)."""
+    return occupancy.step_cost(run)
 
 
 def _as_taus(taus: Iterable[float]) -> np.ndarray:
@@ -295,6 +309,21 @@ def acceptance(
 def default_taus() -> np.ndarray:
     """A grid dense near 1, where min-aggregated confidences live (tau 0.98 = aggregate 6.49)."""
     return np.unique(np.concatenate([np.linspace(0.0, 0.9, 46), 1.0 - np.geomspace(1e-4, 0.1, 60)]))
+
+
+def in_sample_note(run: Run, n_rows: int) -> str:
+    """What the replayed numbers are worth: in-sample for anything chosen by looking at them."""
+    from speceyes.bench.splits import part_label
+
+    where = part_label(run) or "the whole run"
+    lines = [
+        f"In-sample: all {n_rows} rows are measured on the same {run.n} queries ({where}). "
+        "A tau, K or aggregation picked from them is not validated by them: calibrate it on "
+        "another part (speceyes calibrate RUN --split sweep:calib:test) and read the held-out "
+        "numbers there.",
+        f"Speedup model: {speedup_model(run).describe()}.",
+    ]
+    return "\n".join(lines)
 
 
 def _fmt(x: float, spec: str = ".4f") -> str:
