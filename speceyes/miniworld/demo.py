@@ -32,7 +32,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-MODELS_DIR = Path(__file__).resolve().parent / "models"
+MODELS_DIR = Path(__file__).resolve().parent / "models"  # level 1, the default
+# The multi-object world's pair (``--level 2``), trained for it and kept with its numbers.
+LEVEL_MODELS = {1: MODELS_DIR, 2: Path(__file__).resolve().parent / "models_level2"}
 MANIFEST = "manifest.json"
 ROLES = ("small", "large")
 MODES = ("agent", "small", "speceyes")
@@ -95,6 +97,7 @@ class DemoSettings:
     """The demo's settings from ``models/manifest.json`` (defaults for missing keys)."""
 
     canvas: tuple[int, int] = (1024, 1024)
+    level: int = 1  # 1: one target among clutter (speceyes.miniworld.level1); 2: multi-object
     tau: float = 0.9
     agg: str = "min"
     top_k: int = 64
@@ -137,7 +140,7 @@ def load_settings(path: str | Path | None) -> DemoSettings:
         extra={
             k: v
             for k, v in raw.items()
-            if k not in ("canvas", "tau", "agg", "top_k", "batch_size", "agent", "test")
+            if k not in ("canvas", "level", "tau", "agg", "top_k", "batch_size", "agent", "test")
         },
     )
     if "canvas" in raw:
@@ -145,13 +148,15 @@ def load_settings(path: str | Path | None) -> DemoSettings:
         if not (isinstance(c, list | tuple) and len(c) == 2):
             raise ValueError(f"{path}: canvas must be [width, height]")
         s.canvas = (int(c[0]), int(c[1]))
-    for key in ("tau", "top_k", "batch_size", "agg"):
+    for key in ("level", "tau", "top_k", "batch_size", "agg"):
         if key in raw:
             setattr(s, key, type(getattr(s, key))(raw[key]))
     if s.agent.kind not in ("search", "zoom"):
         raise ValueError(f"{path}: agent.kind must be 'search' or 'zoom', got {s.agent.kind!r}")
     if s.agg not in gate.AGGREGATIONS:
         raise ValueError(f"{path}: unknown aggregation {s.agg!r}")
+    if s.level not in (1, 2):
+        raise ValueError(f"{path}: level must be 1 or 2, got {s.level}")
     return s
 
 
@@ -208,10 +213,14 @@ def build_standin_models(dest: Path, seed: int = 0, size: Any = None) -> Path:
 def split_key(
     settings: DemoSettings, scenes: int, seed: int, split: str = "test"
 ) -> dict[str, Any]:
+    from speceyes.miniworld.level1 import LEVEL1_CLUTTER, LEVEL1_VERSION
     from speceyes.miniworld.scenes import GENERATOR_VERSION
 
+    level1 = settings.level == 1
     return {
-        "generator": GENERATOR_VERSION,
+        "generator": LEVEL1_VERSION if level1 else GENERATOR_VERSION,
+        "level": settings.level,
+        "clutter": LEVEL1_CLUTTER if level1 else 0,
         "split": split,
         "seed": seed,
         "n_scenes": scenes,
@@ -254,6 +263,8 @@ def ensure_split(data: Path, key: dict[str, Any]) -> tuple[dict[str, Any], bool]
         key["seed"],
         canvas=tuple(key["canvas"]),
         small_fraction=key["small_fraction"],
+        clutter=key.get("clutter", 0),
+        level=key.get("level", 2),
     )
     _write_subsets(data, _read_rows(data / "questions.jsonl"))
     return man, False
@@ -502,6 +513,60 @@ def summarize_demo(out: Path, modes: list[str]) -> dict[str, Any]:
     return {"modes": modes, "rows": rows, "categories": {c: cats[c] for c in order}}
 
 
+def _pooled(out: Path, mode: str) -> list[dict]:
+    from speceyes.bench.runner import read_logged
+
+    return [
+        r
+        for split, _ in SPLITS
+        for r in read_logged(out / RUNS_DIR / split / mode / "samples.jsonl")
+    ]
+
+
+def checks(out: Path, modes: list[str], tau: float, summary: dict[str, Any]) -> dict[str, Any]:
+    """The gate's AUROC, the judge's routing by target size, accuracy against tau (replayed
+    from the logs), the figure and the targets, from the run folders."""
+    import numpy as np
+
+    from speceyes.miniworld import targets as T
+
+    extra: dict[str, Any] = {}
+    # AUROC over the small model's answers: the small-only run answers every question.
+    source = "small" if "small" in modes else ("speceyes" if "speceyes" in modes else None)
+    if source:
+        extra["gate_auroc"] = {"run": source, **T.gate_auroc(_pooled(out, source))}
+    if "speceyes" in modes:
+        spec = _pooled(out, "speceyes")
+        extra["judge_routing"] = T.judge_routing(spec)
+        curve = None
+        if "agent" in modes:
+            taus = np.round(np.concatenate([np.linspace(0.5, 0.95, 10), [0.97, 0.98, 0.99]]), 4)
+            curve = T.accuracy_vs_tau(spec, _pooled(out, "agent"), taus)
+            extra["accuracy_vs_tau"] = curve
+        extra["plot"] = str(T.plot_demo(summary, curve, tau, out / "demo.png"))
+    extra["targets"] = T.check_targets({**summary, **extra})
+    return extra
+
+
+def format_checks(summary: dict[str, Any]) -> str:
+    lines = []
+    au = summary.get("gate_auroc")
+    if au and au.get("n"):
+        lines.append(
+            f"Gate AUROC (confidence as a predictor of the small model being right, "
+            f"{au['run']} runs, {au['right']}/{au['n']} right): {_f(au['auroc'])}."
+        )
+    jr = summary.get("judge_routing")
+    if jr:
+        parts = [
+            f"{size} targets {v['to_agent']}/{v['n']} to the agent ({_f(v['share_to_agent'], '.0%')})"
+            for size, v in jr.items()
+            if v["n"]
+        ]
+        lines.append("Judge routing: " + "; ".join(parts) + ".")
+    return "\n".join(lines) + "\n"
+
+
 def _f(x, spec: str = ".3f", suffix: str = "") -> str:
     return "-" if x is None else f"{x:{spec}}{suffix}"
 
@@ -591,6 +656,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--seed", type=int, default=None, help="split seed (default: manifest, 0)")
     p.add_argument(
+        "--level",
+        type=int,
+        choices=(1, 2),
+        default=None,
+        help="mini-world level: 1 one target shape among pastel clutter (default; the bundled "
+        "level-1 models), 2 the multi-object world (the bundled level-2 models)",
+    )
+    p.add_argument(
         "--tau", type=float, default=None, help="gate threshold (default: manifest, 0.9)"
     )
     p.add_argument(
@@ -611,7 +684,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    models_dir = Path(args.models) if args.models else MODELS_DIR
+    level = getattr(args, "level", None)
+    models_dir = (
+        Path(args.models) if args.models else (LEVEL_MODELS[2] if level == 2 else MODELS_DIR)
+    )
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in MODES]
     if bad or not modes:
@@ -619,6 +695,8 @@ def run(args: argparse.Namespace) -> int:
     modes = [m for m in MODES if m in modes]
     models = find_models(models_dir)  # fail before anything is written or loaded
     settings = load_settings(models_dir / MANIFEST)
+    if level is not None:
+        settings.level = level
     if args.tau is not None:
         settings.tau = args.tau
     scenes = settings.test.scenes if args.scenes is None else args.scenes
@@ -681,10 +759,17 @@ def run(args: argparse.Namespace) -> int:
         split=key,
         models={r: {"path": str(models[r]), "fingerprint": prints[r]} for r in ROLES},
     )
+    summary.update(checks(out, modes, settings.tau, summary))
     table = format_table(summary)
+    if summary.get("targets"):
+        from speceyes.miniworld.targets import format_targets
+
+        table += "\n" + format_checks(summary) + "\n" + format_targets(summary["targets"])
     print()
     print(table)
     (out / "summary.md").write_text(table, encoding="utf-8")
+    if summary.get("plot"):
+        print(f"plot: {summary['plot']}")
     tmp = out / "summary.json.tmp"
     tmp.write_text(json.dumps(summary, indent=2), encoding="utf-8")
     os.replace(tmp, out / "summary.json")

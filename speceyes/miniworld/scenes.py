@@ -669,12 +669,15 @@ def _letter(i: int) -> str:
 
 
 def _attribute_question(
-    rng: random.Random, objects: Sequence[SceneObject], regime: SizeClass
+    rng: random.Random,
+    objects: Sequence[SceneObject],
+    regime: SizeClass,
+    kind: str | None = None,
 ) -> SceneQuestion:
     pairs = [(o.color, o.shape) for o in objects]
     cands = _attribute_candidates(pairs, [o.size for o in objects], regime)
-    kinds = [k for k in ("shape_of_color", "color_of_shape") if cands[k]]
-    kind = rng.choice(kinds)
+    if kind is None:
+        kind = rng.choice([k for k in ("shape_of_color", "color_of_shape") if cands[k]])
     i = rng.choice(cands[kind])
     obj = objects[i]
     if kind == "shape_of_color":
@@ -858,8 +861,18 @@ def _scene_job(job: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str
     """Generate, save and serialise one scene (a top-level function so processes can run it)."""
     split, index, scene_id = job["split"], job["index"], job["scene_id"]
     pool = load_pool(SOURCE_SPLIT[split])
-    rng = scene_rng(split, job["seed"], index)
-    scene = generate_scene(rng, pool, tuple(job["canvas"]), job["regime"], clutter=job["clutter"])
+    if job.get("level", 2) == 1:
+        from speceyes.miniworld.level1 import generate_level1_scene, level1_rng
+
+        rng = level1_rng(split, job["seed"], index)
+        scene = generate_level1_scene(
+            rng, pool, tuple(job["canvas"]), job["regime"], clutter=job["clutter"]
+        )
+    else:
+        rng = scene_rng(split, job["seed"], index)
+        scene = generate_scene(
+            rng, pool, tuple(job["canvas"]), job["regime"], clutter=job["clutter"]
+        )
     rel = f"images/{scene_id}.{job['ext']}"
     path = Path(job["out_dir"]) / rel
     if job["ext"] == "png":
@@ -899,6 +912,7 @@ def make_split(
     clutter: int = 0,
     image_format: str = "png",
     workers: int = 1,
+    level: int = 2,
 ) -> dict[str, Any]:
     """Write ``images/``, ``questions.jsonl`` and ``manifest.json`` for one split; return the
     manifest.
@@ -918,8 +932,15 @@ def make_split(
     ext = {"png": "png", "jpg": "jpg", "jpeg": "jpg"}.get(image_format.lower())
     if ext is None:
         raise ValueError(f"image_format must be png or jpg, got {image_format!r}")
+    if level not in (1, 2):
+        raise ValueError(f"level must be 1 or 2, got {level}")
     canvas = (int(canvas[0]), int(canvas[1]))
-    ranges = size_ranges(canvas)  # fail early on an unusable canvas
+    if level == 1:
+        from speceyes.miniworld.level1 import LEVEL1_VERSION, level1_sides
+
+        ranges = level1_sides(canvas)
+    else:
+        ranges = size_ranges(canvas)  # fail early on an unusable canvas
     out = Path(out_dir)
     (out / "images").mkdir(parents=True, exist_ok=True)
 
@@ -937,6 +958,7 @@ def make_split(
             "clutter": clutter,
             "ext": ext,
             "out_dir": str(out),
+            "level": level,
         }
         for i in range(n_scenes)
     ]
@@ -962,7 +984,8 @@ def make_split(
                 n_questions += 1
     pool = load_pool(SOURCE_SPLIT[split])
     manifest = {
-        "generator": GENERATOR_VERSION,
+        "generator": LEVEL1_VERSION if level == 1 else GENERATOR_VERSION,
+        "level": level,
         "split": split,
         "seed": seed,
         "n_scenes": n_scenes,
@@ -1057,6 +1080,14 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--format", choices=("png", "jpg"), default="png", help="image format")
     p.add_argument("--workers", type=int, default=1, help="processes for rendering")
+    p.add_argument(
+        "--level",
+        type=int,
+        choices=(1, 2),
+        default=2,
+        help="1: one target shape per scene among pastel clutter (use --canvas 1024x1024 "
+        "--clutter 1, the demo's world); 2: the multi-object world (default)",
+    )
     return p
 
 
@@ -1072,6 +1103,7 @@ def main(argv: Iterable[str] | None = None) -> int:
         clutter=args.clutter,
         image_format=args.format,
         workers=args.workers,
+        level=args.level,
     )
     print(
         f"wrote {manifest['n_scenes']} scenes, {manifest['n_questions']} questions to "

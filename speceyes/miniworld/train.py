@@ -101,13 +101,26 @@ def domain_corpus() -> list[str]:
 
 
 def build_base(
-    role_dir: Path, role: str, size: ModelSize, seed: int, family: str | None = None
+    role_dir: Path,
+    role: str,
+    size: ModelSize,
+    seed: int,
+    family: str | None = None,
+    from_folder: Path | None = None,
 ) -> Path:
-    """A fresh random checkpoint of the role's family with its view budget, in role_dir/base."""
+    """A fresh random checkpoint of the role's family with its view budget, in role_dir/base;
+    or, with ``from_folder`` (a save_pretrained model such as a bundled one), a copy of it, so a
+    stage can start from the weights the repository ships when no run folder is left."""
     from speceyes.tiny import build_tiny_model
 
     base = role_dir / "base"
     if (base / "config.json").is_file():
+        return base
+    if from_folder is not None:
+        tmp = role_dir / ".base.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(from_folder, tmp)
+        os.replace(tmp, base)
         return base
     build_tiny_model(
         base,
@@ -304,18 +317,27 @@ def make_questions(
     search_cells: int = 0,
     near_misses: int = 0,
     elsewhere: int = 4,
+    level: int = 1,
+    search_depths: int = 2,
 ) -> list[dict]:
     """Scenes rendered on the fly (in memory), kept only as the model's view (+ zoom crops of
-    the small-regime questions, relative position excepted: its reference is outside the crop)."""
+    the small-regime questions, relative position excepted: its reference is outside the crop).
+    ``level`` 1 is the one-target world (:mod:`speceyes.miniworld.level1`), 2 the multi-object
+    one; at level 1 both regimes get search-cell questions (the agent searches every query)."""
     from speceyes.images import resize_for_model
+    from speceyes.miniworld.level1 import LEVEL1_CLUTTER, generate_level1_scene, level1_rng
     from speceyes.miniworld.scenes import generate_scene, load_pool, scene_rng
 
     pool = load_pool("test" if split == "test" else "train")
     rows = []
     for i in range(n_scenes):
-        rng = scene_rng(split, seed, i)
         regime = "small" if i % 2 else "large"
-        scene = generate_scene(rng, pool, canvas=CANVAS, regime=regime)
+        if level == 1:
+            scene = generate_level1_scene(
+                level1_rng(split, seed, i), pool, CANVAS, regime, clutter=LEVEL1_CLUTTER
+            )
+        else:
+            scene = generate_scene(scene_rng(split, seed, i), pool, canvas=CANVAS, regime=regime)
         view = resize_for_model(
             scene.image, backend.factor, backend.min_pixels, backend.max_pixels
         )[0]
@@ -353,7 +375,7 @@ def make_questions(
             rows.append(row)
         if crops:
             rows.extend(zoom_questions(scene, crop_rng, backend, zoom_crops, zoom_max))
-        if search_cells and regime == "small":
+        if search_cells and (regime == "small" or level == 1):
             rows.extend(
                 search_cell_questions(
                     scene,
@@ -362,6 +384,7 @@ def make_questions(
                     search_cells,
                     near_misses=near_misses,
                     elsewhere=elsewhere,
+                    depths=search_depths,
                 )
             )
     return rows
@@ -513,8 +536,9 @@ def search_cell_questions(
     overlap: float = 0.25,
     near_misses: int = 0,
     elsewhere: int = 4,
+    depths: int = 2,
 ) -> list[dict]:
-    """Existence questions on the very cells the search agent scores, at its first two depths.
+    """Existence questions on the very cells the search agent scores, at its first ``depths``.
 
     The search ranks the cells of a grid by the model's P(yes) to "Is there a {target} in the
     image?", so this is what it must answer: yes in the cells that show a scene object, no in the
@@ -533,7 +557,7 @@ def search_cell_questions(
     names = sorted({(o.color, o.shape) for o in scene.objects})
     rows = []
     region: tuple[float, float, float, float] = (0.0, 0.0, float(w), float(h))
-    for _ in range(2):
+    for _ in range(depths):
         level = [tuple(round(v) for v in c) for c in grid_boxes(region, grid, overlap)]
         home = [c for c in level if _inside(anchor, c, 1.0)]
         if not home:
@@ -904,7 +928,8 @@ def stage_b(args, role_dir: Path, size: ModelSize) -> dict:
     """Answers: next-token loss on the answer tokens of the role's prompts."""
     import torch
 
-    base = build_base(role_dir, args.role, size, args.seed, args.family)
+    folder = args.init_from if args.init_from is not None and args.init_from.is_dir() else None
+    base = build_base(role_dir, args.role, size, args.seed, args.family, from_folder=folder)
     backend = load_backend(base)
     model = backend.model
     ck = role_dir / "stage_B" / "ckpt.pt"
@@ -945,7 +970,7 @@ def stage_b(args, role_dir: Path, size: ModelSize) -> dict:
         torch.tensor([_word_id(sh) for sh in SHAPES]),
     )
     step, seconds, resumed = _seed_or_resume(args, role_dir, "B", ck, model, opt, {"aux": aux})
-    if not resumed:
+    if not resumed and folder is None:  # a model folder's weights are already the base's
         _load_from_previous(backend, role_dir, "B", args.init_from, {"aux": aux})
     t0 = time.time()
     train = make_questions(
@@ -959,6 +984,8 @@ def stage_b(args, role_dir: Path, size: ModelSize) -> dict:
         args.search_cells,
         args.cell_near_misses,
         args.cell_elsewhere,
+        args.level,
+        args.search_depth,
     )
     pairs = [p for r in train for p in examples_for(r, args.role, args.boxes, args.deepeyes)]
     if args.pack > 1:
@@ -1078,13 +1105,15 @@ def _correct(pred: str, gold: str) -> bool:
     return pred.strip().strip(".").lower() == gold.lower()
 
 
-def evaluate(folder: Path, role: str, scenes: int, seed: int = 0, batch: int = 16) -> dict:
+def evaluate(
+    folder: Path, role: str, scenes: int, seed: int = 0, batch: int = 16, level: int = 1
+) -> dict:
     """Greedy accuracy through HFBackend.answer on held-out test-pool scenes: on the full view
     by target size and category, and on the zoom crops of the small-target questions."""
     from collections import Counter, defaultdict
 
     backend = load_backend(folder)
-    rows = make_questions("val", seed, scenes, backend, crops=True)
+    rows = make_questions("val", seed, scenes, backend, crops=True, level=level)
     items = [("zoom" if r["category"] == "zoom" else "view", r, r["view"]) for r in rows]
     rows = [r for r in rows if r["category"] != "zoom"]
     items += [("crop", r, r["crop"]) for r in rows if r.get("crop") is not None]
@@ -1121,7 +1150,7 @@ def stage_eval(args, role_dir: Path) -> dict:
     dest = role_dir / "export"
     export(role_dir, args.from_stage, dest)
     t = time.time()
-    res = evaluate(dest, args.role, args.val_scenes, seed=args.seed)
+    res = evaluate(dest, args.role, args.val_scenes, seed=args.seed, level=args.level)
     rec = {
         "stage": "eval",
         "from": args.from_stage,
@@ -1185,7 +1214,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--object-min", type=int, default=10, help="stage A: smallest object side (px)")
     p.add_argument("--object-max", type=int, default=80, help="stage A: largest object side (px)")
     p.add_argument("--sprite-limit", type=int, default=None)
-    p.add_argument("--init-from", type=Path, default=None, help="stage B: start from this ckpt.pt")
+    p.add_argument(
+        "--init-from",
+        type=Path,
+        default=None,
+        help="stage B: start from this ckpt.pt, or from a model folder (e.g. the bundled "
+        "speceyes/miniworld/models/large), whose files then become the run's base",
+    )
+    p.add_argument(
+        "--level",
+        type=int,
+        choices=(1, 2),
+        default=1,
+        help="mini-world level of the training and eval scenes: 1 one target among clutter "
+        "(the demo's default), 2 the multi-object world",
+    )
     p.add_argument("--small-dir", type=Path, help="bundle: the small role's folder")
     p.add_argument("--large-dir", type=Path, help="bundle: the large role's folder")
     p.add_argument("--dest", type=Path, default=MODELS_DIR, help="bundle: where to write")
@@ -1216,6 +1259,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=4,
         help="stage B: at most this many no-questions per search cell about scene objects "
         "outside it (default 4)",
+    )
+    p.add_argument(
+        "--search-depth",
+        type=int,
+        default=2,
+        help="stage B: search depths that get search-cell questions (the agent's depth)",
     )
     p.add_argument("--pack", type=int, default=1, help="stage B: questions per conversation")
     p.add_argument("--deepeyes", action="store_true", help="large role: train DeepEyes turns too")
