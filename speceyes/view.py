@@ -535,7 +535,7 @@ def _summary_html(rows: list[dict[str, Any]], plots: list[list[str]]) -> str:
         body.append(
             f'<tr data-run="{i}"><td title="{html.escape(r["path"])}"><b>{html.escape(r["name"])}'
             f"</b>{state}<br><small>{html.escape(str(r['bench']))} · agent "
-            f"{html.escape(str(r['agent']))} · tau {_fmt(r['tau'], 'g')}</small></td>"
+            f"{html.escape(str(r['agent'] or '–'))} · tau {_fmt(r['tau'], 'g')}</small></td>"
             f"<td>{html.escape(r['mode'])}</td><td>{r['n']}"
             + (f" <small>({r['errors']} errors)</small>" if r["errors"] else "")
             + f"</td><td>{_fmt(r['accuracy'], '.3f')}</td><td>{_fmt(r['beta'], '.2f')}</td>"

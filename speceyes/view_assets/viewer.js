@@ -59,7 +59,7 @@
     h += select("err", "errors", [["", "all"], ["yes", "with errors"], ["no", "without"]]);
     if (S.cmp >= 0) {
       h += select("diff", "vs compared", [["", "all"], ["differ", "answers differ"],
-        ["a", "only this run right"], ["b", "only compared right"], ["route", "routes differ"]]);
+        ["a", "only this run right"], ["b", "only compared right"]]);
     }
     h += select("sort", "sort", [["file", "log order"], ["conf-desc", "confidence ↓"],
       ["conf-asc", "confidence ↑"], ["time-desc", "time ↓"], ["time-asc", "time ↑"],
@@ -98,7 +98,6 @@
       if (S.diff === "differ" && !differs(c, b)) return false;
       if (S.diff === "a" && !(c.ok && !b.ok)) return false;
       if (S.diff === "b" && !(!c.ok && b.ok)) return false;
-      if (S.diff === "route" && c.r === b.r) return false;
     }
     if (S.q) {
       const q = norm(S.q);
@@ -173,9 +172,7 @@
   function result(c, run, cls, other) {
     if (!c) return `<div class="res ${cls}"><div class="rn">${esc(run.name)}</div><div>not in this run</div></div>`;
     let h = `<div class="res ${cls}"><div class="rn">${esc(run.name)}</div>`;
-    h += `<div><span class="badge">${esc(c.r || "(no route)")}</span>`;
-    if (other && other.r !== c.r) h += ' <span class="badge diff">route differs</span>';
-    h += "</div>";
+    h += `<div><span class="badge">${esc(c.r || "(no route)")}</span></div>`;
     if (c.pt !== undefined) h += `<div>P(tool) ${fmt(c.pt, 3)}</div>`;
     if (c.cf !== undefined) {
       const tau = run.tau;
