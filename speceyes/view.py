@@ -27,7 +27,7 @@ import json
 import math
 import os
 import shutil
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -310,14 +310,15 @@ def _image_key(run: RunData, s: dict[str, Any], data: str | None) -> tuple[str, 
 
 def _benchmark_images(
     run: RunData, wanted: set[str], data: str | None, notes: list[str]
-) -> dict[str, Any]:
-    """id -> image source for ``wanted`` ids, through the run's own benchmark loader."""
+) -> Iterator[tuple[str, Any]]:
+    """(id, image source) for the ``wanted`` ids, streamed from the run's benchmark loader (one
+    HR-Bench or POPE image in memory at a time)."""
     from speceyes.bench import datasets
 
     bench, root = run.config.get("bench"), data or run.config.get("data")
     if not bench or not root:
         notes.append(f"{run.name}: the run's config names no benchmark data; images not shown")
-        return {}
+        return
     try:
         loader = {
             "vstar": datasets.load_vstar,
@@ -327,17 +328,16 @@ def _benchmark_images(
         }[datasets.canonical_bench(str(bench))]
         accepted = inspect.signature(loader).parameters
         kw = {k: v for k, v in (run.config.get("loader") or {}).items() if k in accepted}
-        found: dict[str, Any] = {}
+        left = set(wanted)
         for q in loader(root, **kw):
-            if q.id in wanted:
-                found[q.id] = q.image
-                if len(found) == len(wanted):
-                    break  # HR-Bench and POPE stream: stop reading once every image is found
-        return found
+            if q.id in left:
+                left.discard(q.id)
+                yield q.id, q.image
+                if not left:
+                    return  # the loaders stream: stop reading once every image is found
     except (OSError, ValueError, KeyError) as e:
         hint = "" if data else "; pass --data with the benchmark's new location if it moved"
         notes.append(f"{run.name}: cannot read the benchmark's images ({e}){hint}")
-        return {}
 
 
 def _make_images(
@@ -578,13 +578,15 @@ def build_view(
     jobs: dict[str, _ImageJob] = {}
     keys: list[dict[str, str]] = []
     reused: set[str] = set()
+    handled: set[str] = set()  # made (or failed) by this build
+    made, failed, sides = 0, [], (thumb_side, full_side)
     for run in runs:
         run_keys, missing = {}, {}
         for s in run.samples:
             sid = str(s["id"])
             key, logged = _image_key(run, s, data_s)
             run_keys[sid] = key
-            if key in jobs or key in reused:
+            if key in jobs or key in reused or key in handled:
                 pass
             elif _have_image(img_dir, index, key):
                 reused.add(key)
@@ -594,20 +596,25 @@ def build_view(
                 missing[sid] = key
         if missing:
             run_notes: list[str] = []
-            found = _benchmark_images(run, set(missing), data_s, run_notes)
+            found = set()
+            for sid, src in _benchmark_images(run, set(missing), data_s, run_notes):
+                found.add(sid)
+                handled.add(missing[sid])
+                m, f = _make_images([_ImageJob(missing[sid], src, sid)], img_dir, index, *sides)
+                made, failed = made + m, failed + f
             notes += run_notes
             lost = [sid for sid in missing if sid not in found]
             if lost and found:  # the benchmark was read, these ids are not in it
                 notes.append(
-                    f"{run.name}: {len(lost)} queries not found in the benchmark "
+                    f"{run.name}: {len(lost)} logged query id(s) not in the benchmark "
                     f"({', '.join(lost[:3])}{' ...' if len(lost) > 3 else ''})"
                 )
-            for sid, src in found.items():
-                jobs[missing[sid]] = _ImageJob(missing[sid], src, sid)
+            handled.update(missing[sid] for sid in lost)
             for sid in lost:
                 index[missing[sid]] = {"err": "image not found (see the notes above)"}
         keys.append(run_keys)
-    made, failed = _make_images(jobs.values(), img_dir, index, thumb_side, full_side)
+    m, f = _make_images(jobs.values(), img_dir, index, *sides)
+    made, failed = made + m, failed + f
     if failed:
         notes.append(
             f"{len(failed)} image(s) could not be read (first: {failed[0]}); moved? pass --data"

@@ -142,6 +142,34 @@ def test_bad_input_still_builds(runs, tmp_path):
     assert all("w" in img for img in _doc(fixed.index)["images"].values())
 
 
+def test_images_of_a_jsonl_benchmark(tmp_path):
+    """A generic JSONL benchmark (the mini world's format): relative image paths, loader
+    settings the JSONL loader does not take (the demo logs its split), a query not in it."""
+    bench = tmp_path / "bench"
+    (bench / "pics").mkdir(parents=True)
+    rows = []
+    for i in range(3):
+        make_scene(size=(200 + 10 * i, 100)).save(bench / "pics" / f"{i}.png")
+        rows.append({"id": f"q{i:06d}", "image": f"pics/{i}.png", "question": "Is it red?"})
+    (bench / "q.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = write_synthetic_run(tmp_path / "run", n=4, mode="speceyes")
+    res = json.loads((run / "results.json").read_text())
+    res["config"] |= {"bench": "jsonl", "data": str(bench / "q.jsonl")}
+    res["config"]["loader"] = {"target_size": "small", "split": "test"}
+    (run / "results.json").write_text(json.dumps(res))
+    view = build_view([run], tmp_path / "view")
+    assert view.images_made == 3
+    assert view.notes == ["run: 1 logged query id(s) not in the benchmark (q000003)"]
+    doc = _doc(view.index)
+    sizes = [doc["images"][c["im"]] for c in doc["runs"][0]["cards"]]
+    assert [(s.get("w"), s.get("h")) for s in sizes] == [
+        (200, 100),
+        (210, 100),
+        (220, 100),
+        (None, None),
+    ]
+
+
 def test_cli_view_and_clear_errors(runs, tmp_path, capsys):
     out = tmp_path / "v"
     assert main(["view", str(runs["both"]), "--out", str(out)]) == 0
