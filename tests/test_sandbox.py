@@ -15,6 +15,7 @@ network namespace are skipped, with the reason, where the worker could not set t
 from __future__ import annotations
 
 import ast
+import ctypes
 import os
 import socket
 import subprocess
@@ -28,6 +29,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from speceyes.agents._sandbox_worker import DENIED_SYSCALLS
 from speceyes.agents.sandbox import Sandbox, SandboxResult, SandboxStartupError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -637,3 +639,143 @@ def test_module_level_sanity():
     assert Sandbox.image_name_in_sandbox("/x/y/../weird name!.JPG") == "weird_name.jpg"
     assert Sandbox.image_name_in_sandbox("/x/.hidden") == "hidden.png"
     assert Sandbox.image_name_in_sandbox("/x/") == "input.png"
+
+
+# --------------------------------------------------------------------------- kernel keyring, shared memory
+
+SYSCALLS = DENIED_SYSCALLS.get(os.uname().machine, {})
+# The code reaches ctypes (pre-loaded by numpy) through the object graph, then raw syscalls.
+LIBC = ESCAPE + (
+    "ct = real_import('sys').modules['ctypes']\n"
+    "libc = ct.CDLL(None, use_errno=True)\n"
+    "def sys_(name, *args):\n"
+    f"    nr = {SYSCALLS!r}[name]\n"
+    "    r = libc.syscall(nr, *args)\n"
+    "    return r if r >= 0 else -ct.get_errno()\n"
+)
+
+
+def _host_add_key(desc: bytes, payload: bytes) -> int:
+    """A "user" key in the test process's session keyring (KEY_SPEC_SESSION_KEYRING = -3)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.syscall(SYSCALLS["add_key"], b"user", desc, payload, len(payload), -3)
+
+
+@pytest.mark.skipif(not SYSCALLS, reason="no syscall table for this architecture")
+def test_host_keyring_is_out_of_reach(sb, isolation):
+    assert isolation["keyring"] and isolation["seccomp"], isolation
+    desc = f"speceyes-test-{uuid.uuid4().hex}".encode()
+    host_key = _host_add_key(desc, b"top secret")
+    code = LIBC + (
+        "buf = ct.create_string_buffer(256)\n"
+        f"found = sys_('request_key', b'user', {desc!r}, None, 0)\n"
+        # KEYCTL_READ (11) of the host's key id; KEYCTL_INVALIDATE (21); KEYCTL_CLEAR (7) -3
+        f"read = sys_('keyctl', 11, {host_key}, buf, 256)\n"
+        f"gone = sys_('keyctl', 21, {host_key})\n"
+        "cleared = sys_('keyctl', 7, -3)\n"
+        "planted = sys_('add_key', b'user', b'planted', b'x', 1, -3)\n"
+        "print([found, read, gone, cleared, planted], buf.raw[:10])\n"
+    )
+    res = sb.run(code)
+    assert res.ok, res.error
+    assert res.stdout.startswith("[-1, -1, -1, -1, -1]"), res.stdout  # all -EPERM
+    assert b"top secret" not in res.stdout.encode()
+    if host_key > 0:  # the host's key is untouched
+        libc = ctypes.CDLL(None, use_errno=True)
+        buf = ctypes.create_string_buffer(64)
+        n = libc.syscall(SYSCALLS["keyctl"], 11, host_key, buf, 64)
+        assert buf.raw[:n] == b"top secret"
+        libc.syscall(SYSCALLS["keyctl"], 21, host_key)
+    assert_serves(sb)
+
+
+def _shmem_kb() -> int:
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("Shmem:"))
+
+
+@pytest.mark.skipif(not SYSCALLS, reason="no syscall table for this architecture")
+def test_shared_memory_cannot_grow_past_the_memory_limit():
+    mb = 300  # more than the sandbox's 128 MB
+    code = (
+        LIBC
+        + (
+            f"n = {mb} << 20\n"
+            "shm = sys_('shmget', 0, n, 0o1600)\n"  # IPC_PRIVATE, IPC_CREAT | 0600
+            "if shm >= 0:\n"
+            "    libc.shmat.restype = ct.c_void_p\n"
+            "    addr = libc.shmat(shm, None, 0)\n"
+            "    ct.memset(addr, 1, n)\n"
+            "    libc.shmdt(ct.c_void_p(addr))\n"
+            "mfd = sys_('memfd_create', b'x', 0)\n"
+            "if mfd >= 0:\n"
+            "    chunk = b'x' * (1 << 20)\n"
+            "    for _ in range(" + str(mb) + "):\n"
+            "        OS['write'](mfd, chunk)\n"
+            "print([shm, mfd])\n"
+        )
+    )
+    with Sandbox(pool_size=0, memory_mb=128, cpu_seconds=5, wall_seconds=10) as sandbox:
+        before = _shmem_kb()
+        res = sandbox.run(code)
+        grown_mb = (_shmem_kb() - before) / 1024
+    assert res.ok, res.error
+    assert res.stdout == "[-1, -1]\n", res.stdout  # both -EPERM
+    assert grown_mb < 64, grown_mb
+
+
+# --------------------------------------------------------------------------- copy-back, frames
+
+
+def test_sparse_images_are_not_copied_back_and_copies_can_be_discarded(tmp_path):
+    code = ESCAPE + (
+        "for i in range(32):\n"  # 8 MB "PNGs" that allocate a page each
+        "    with open(f'sparse{i}.png', 'wb') as f:\n"
+        "        f.write(b'\\x89PNG\\r\\n\\x1a\\n')\n"
+        "        f.seek((8 << 20) - 1)\n"
+        "        f.write(b'\\0')\n"
+        "from PIL import Image\n"
+        "Image.new('RGB', (32, 32), 'red').save('real.png')\n"
+    )
+    out = tmp_path / "out"
+    with Sandbox(pool_size=0, disk_mb=16, output_dir=str(out), **LIMITS) as sandbox:
+        res = sandbox.run(code)
+        assert res.ok, res.error
+        assert [os.path.basename(p) for p in res.images] == ["real.png"]
+        copied = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+        assert copied < 1 << 20, copied
+        res.discard()
+        assert res.images == [] and not [p for p in out.rglob("*") if p.is_file()]
+
+
+FORGE = ESCAPE + (
+    "import json\n"
+    "st = real_import('struct')\n"
+    "def forge(data):\n"
+    "    OS['write'](3, st.pack('>I', len(data)) + data)\n"
+    "    OS['_exit'](0)\n"
+)
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"[" * 200_000 + b"]" * 200_000,
+        b'{"type": "result", "ok": true, "stdout": ' + b"[" * 50 + b"]" * 50 + b"}",
+        b"\xff\xfe not json",
+    ],
+    ids=["deep", "nested-field", "bytes"],
+)
+def test_forged_frames_give_a_protocol_error(sb, payload):
+    res = sb.run(FORGE + f"forge({payload!r})\n")
+    assert "protocol" in failed(res)
+    assert_serves(sb)
+
+
+def test_forged_lone_surrogates_are_replaced(sb):
+    frame = (
+        b'{"type": "result", "ok": true, "error": null, "stdout": "a\\ud800b", "stdout_total": 3}'
+    )
+    res = sb.run(FORGE + f"forge({frame!r})\n")
+    assert res.ok and res.stdout.replace("\ufffd", "") == "ab" and "\ufffd" in res.stdout, res
+    res.stdout.encode("utf-8")  # valid text for any tokenizer

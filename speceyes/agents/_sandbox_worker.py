@@ -17,7 +17,10 @@ Life cycle (everything before step 8 happens before the job is known):
    the host filesystem (/etc/passwd, the project's sources, ...) no longer exists;
 4. drop privileges to a dedicated unprivileged uid/gid (root only), set no_new_privs and
    the parent-death signal;
-5. set rlimits (address space, file size, open files, processes = 0, core = 0, stack);
+5. set rlimits (address space, file size, open files, processes = 0, core = 0, stack), having
+   joined a fresh empty session keyring before the uid drop, then install a seccomp filter
+   that denies the keyring, SysV shm/msg/sem and memfd (memory RLIMIT_AS does not count),
+   and the syscalls that could undo the isolation;
 6. move the protocol pipe away from fd 1 (fd 1 and 2 then both go to the host's capped
    stderr drain) and answer ``ready`` to the host;
 7. wait on stdin for the job (4-byte big-endian length + JSON);
@@ -56,7 +59,40 @@ MS_PRIVATE = 1 << 18
 PR_SET_PDEATHSIG = 1
 PR_SET_DUMPABLE = 4
 PR_SET_NO_NEW_PRIVS = 38
+PR_SET_SECCOMP = 22
+SECCOMP_MODE_FILTER = 2
+KEYCTL_JOIN_SESSION_KEYRING = 1
 SIGKILL = 9
+
+# Seccomp denylist (EPERM), hand-written as classic BPF because this file must stay stdlib-only
+# (it runs with -I -S before the chroot; no PyPI binding may load here) and the one PyPI binding
+# for libseccomp is unmaintained. Denied: the kernel keyring (the host's keys), memory that
+# RLIMIT_AS does not count (SysV shm/msg/sem, memfd), and syscalls that could undo the
+# isolation or reach other processes. Numbers per architecture, from the kernel's tables.
+AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
+DENIED_SYSCALLS = {
+    "x86_64": {
+        "keyctl": 250, "add_key": 248, "request_key": 249,
+        "shmget": 29, "shmat": 30, "shmctl": 31, "msgget": 68, "semget": 64,
+        "memfd_create": 319, "memfd_secret": 447, "mq_open": 240, "userfaultfd": 323,
+        "ptrace": 101, "process_vm_readv": 310, "process_vm_writev": 311, "pidfd_getfd": 438,
+        "unshare": 272, "setns": 308, "mount": 165, "umount2": 166, "pivot_root": 155,
+        "chroot": 161, "open_tree": 428, "move_mount": 429, "fsopen": 430,
+        "bpf": 321, "perf_event_open": 298, "io_uring_setup": 425,
+        "kexec_load": 246, "init_module": 175, "finit_module": 313,
+    },
+    "aarch64": {
+        "keyctl": 219, "add_key": 217, "request_key": 218,
+        "shmget": 194, "shmat": 196, "shmctl": 195, "msgget": 186, "semget": 190,
+        "memfd_create": 279, "memfd_secret": 447, "mq_open": 180, "userfaultfd": 282,
+        "ptrace": 117, "process_vm_readv": 270, "process_vm_writev": 271, "pidfd_getfd": 438,
+        "unshare": 97, "setns": 268, "mount": 40, "umount2": 39, "pivot_root": 41,
+        "chroot": 51, "open_tree": 428, "move_mount": 429, "fsopen": 430,
+        "bpf": 280, "perf_event_open": 241, "io_uring_setup": 425,
+        "kexec_load": 104, "init_module": 105, "finit_module": 273,
+    },
+}  # fmt: skip
+X32_SYSCALL_BIT = 0x40000000  # x86_64's x32 ABI: a second numbering, denied as a whole
 
 CODE_FILENAME = "<sandbox>"
 
@@ -343,6 +379,62 @@ def block_sockets_in_python() -> None:
                     pass
 
 
+def join_fresh_session_keyring(libc, iso: dict) -> None:
+    """An empty anonymous session keyring instead of the host's (before the uid drop)."""
+    nr = DENIED_SYSCALLS.get(os.uname().machine, {}).get("keyctl")
+    if nr is None:
+        return
+    if libc.syscall(nr, KEYCTL_JOIN_SESSION_KEYRING, None) < 0:
+        iso["keyring_error"] = os.strerror(ctypes.get_errno())
+    else:
+        iso["keyring"] = True
+
+
+def install_seccomp(libc, iso: dict) -> None:
+    """Deny ``DENIED_SYSCALLS`` with EPERM; any other architecture's syscall kills the process.
+
+    Needs no_new_privs (set before). Without a known architecture the filter is skipped and
+    ``isolation["seccomp"]`` stays False.
+    """
+    machine = os.uname().machine
+    denied, arch = DENIED_SYSCALLS.get(machine), AUDIT_ARCH.get(machine)
+    if denied is None or arch is None:
+        iso["seccomp_error"] = f"no syscall table for {machine}"
+        return
+
+    class SockFilter(ctypes.Structure):
+        _fields_ = [
+            ("code", ctypes.c_ushort),
+            ("jt", ctypes.c_ubyte),
+            ("jf", ctypes.c_ubyte),
+            ("k", ctypes.c_uint32),
+        ]
+
+    class SockFprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(SockFilter))]
+
+    ld_w_abs, jeq_k, jge_k, ret_k = 0x20, 0x15, 0x35, 0x06
+    allow, kill = 0x7FFF0000, 0x80000000
+    deny = 0x00050000 | 1  # SECCOMP_RET_ERRNO | EPERM
+    prog = [
+        (ld_w_abs, 0, 0, 4),  # seccomp_data.arch
+        (jeq_k, 1, 0, arch),
+        (ret_k, 0, 0, kill),
+        (ld_w_abs, 0, 0, 0),  # seccomp_data.nr
+    ]
+    if machine == "x86_64":
+        prog += [(jge_k, 0, 1, X32_SYSCALL_BIT), (ret_k, 0, 0, deny)]
+    for nr in sorted(set(denied.values())):
+        prog += [(jeq_k, 0, 1, nr), (ret_k, 0, 0, deny)]
+    prog.append((ret_k, 0, 0, allow))
+    filters = (SockFilter * len(prog))(*[SockFilter(*ins) for ins in prog])
+    fprog = SockFprog(len(prog), filters)
+    if libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0) != 0:
+        iso["seccomp_error"] = os.strerror(ctypes.get_errno())
+    else:
+        iso["seccomp"] = True
+
+
 def preimport(allowed: list[str]) -> list[str]:
     import importlib
 
@@ -567,6 +659,8 @@ def main() -> None:
         "tmpfs": False,
         "uid_dropped": False,
         "userns": False,
+        "keyring": False,
+        "seccomp": False,
     }
     workdir = cfg["workdir"]
 
@@ -577,6 +671,7 @@ def main() -> None:
         block_sockets_in_python()
     baseline_vm = vm_size_bytes()
 
+    join_fresh_session_keyring(libc, iso)
     if is_root:
         if iso["mountns"] and cfg["tmpfs_mb"]:
             try:
@@ -605,10 +700,11 @@ def main() -> None:
     libc.prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0)
     if os.getppid() != cfg["host_pid"]:
         os._exit(3)  # the host died while we were starting
-    if cfg.get("strict") and not (iso["netns"] and iso["chroot"] and iso["uid_dropped"]):
-        raise RuntimeError(f"strict sandbox requested but isolation is incomplete: {iso}")
-
     set_limits(cfg, baseline_vm)
+    install_seccomp(libc, iso)
+    needed = ("netns", "chroot", "uid_dropped", "seccomp", "keyring")
+    if cfg.get("strict") and not all(iso.get(k) for k in needed):
+        raise RuntimeError(f"strict sandbox requested but isolation is incomplete: {iso}")
     for name in POISON_MODULES:
         if name not in sys.modules:
             sys.modules[name] = None  # type: ignore[assignment]

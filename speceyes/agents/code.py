@@ -642,10 +642,14 @@ class CodeAgent(LoopAgent):
                 loop.outcome.error = f"sandbox: {type(res).__name__}: {res}"
                 loop.outcome.answer = fallback_answer(loop.text.split("<code>")[0])
                 loop.done = True
-            elif self.protocol == "published":
-                self._deliver_published(loop, code, ran, res)
             else:
-                self._deliver(loop, code, ran, res)
+                try:
+                    if self.protocol == "published":
+                        self._deliver_published(loop, code, ran, res)
+                    else:
+                        self._deliver(loop, code, ran, res)
+                finally:
+                    res.discard()  # the images are in memory now: no copies pile up on disk
 
     def _end(self, loop: _Loop) -> None:
         loop.outcome.trace.append(

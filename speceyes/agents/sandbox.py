@@ -19,14 +19,20 @@ even reads the job:
   mode 0444, in a sticky root-owned directory);
 * has rlimits: ``RLIMIT_AS`` (memory), ``RLIMIT_CPU`` (+ a precise ``ITIMER_PROF``),
   ``RLIMIT_FSIZE`` (file size), ``RLIMIT_NPROC = 0`` (no fork, no threads, no
-  subprocess), ``RLIMIT_NOFILE`` small, ``RLIMIT_CORE = 0``, bounded ``RLIMIT_STACK``.
+  subprocess), ``RLIMIT_NOFILE`` small, ``RLIMIT_CORE = 0``, bounded ``RLIMIT_STACK``;
+* has a fresh, empty session keyring (joined before the uid drop) and a **seccomp** filter
+  (EPERM) on the kernel keyring, SysV shared memory / message queues / semaphores and memfd
+  (memory that ``RLIMIT_AS`` does not count), and on ptrace, mount, unshare, setns, chroot,
+  bpf, io_uring, userfaultfd, perf_event_open and module loading.
 
 The host enforces the wall-clock limit (``os.killpg(SIGKILL)``), reads a bounded amount of
 output (the worker keeps ``max_output_bytes`` of stdout+stderr and stops the code once it
-printed 10x that), treats the worker's answer as untrusted (size-capped, type-checked),
+printed 10x that), treats the worker's answer as untrusted (size-capped, nesting-capped, type-checked, lone
+surrogates and invalid UTF-8 replaced; anything else is a protocol error, never an exception),
 copies saved images out with ``O_NOFOLLOW``/``O_NONBLOCK`` + ``fstat`` (planted symlinks and
-FIFOs are ignored; only real image files owned by the sandbox uid are taken), and replaces
-every worker after one job.
+FIFOs are ignored; only real, non-sparse image files owned by the sandbox uid are taken, at
+most ``disk_mb`` in all per run; ``SandboxResult.discard`` deletes the copies once read), and
+replaces every worker after one job.
 
 The worker also runs the code with a restricted ``__builtins__`` (an import whitelist and
 an ``open`` limited to the work dir; ``socket``, ``subprocess``, ... poisoned in
@@ -158,9 +164,53 @@ class SandboxResult:
     elapsed: float = 0.0
     isolation: dict = field(default_factory=dict)
 
+    def discard(self) -> None:
+        """Delete the copies in ``images`` (once read): a long run keeps no disk per job."""
+        for path in self.images:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        for folder in {os.path.dirname(p) for p in self.images}:
+            try:
+                os.rmdir(folder)
+            except OSError:
+                pass
+        self.images = []
+
 
 class _ProtocolError(Exception):
     pass
+
+
+MAX_FRAME_DEPTH = 8  # the worker's frames are flat objects; anything deeper is forged
+
+
+def _clean(value: object, depth: int = 0) -> object:
+    """``value`` with lone surrogates (valid JSON escapes, not text) replaced by U+FFFD;
+    ``_ProtocolError`` past ``MAX_FRAME_DEPTH`` levels."""
+    if depth > MAX_FRAME_DEPTH:
+        raise _ProtocolError("malformed frame: nested too deeply")
+    if isinstance(value, str):
+        return value.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+    if isinstance(value, list):
+        return [_clean(v, depth + 1) for v in value]
+    if isinstance(value, dict):
+        return {_clean(k, depth + 1): _clean(v, depth + 1) for k, v in value.items()}
+    return value
+
+
+def _parse_frame(data: bytes) -> dict:
+    """One frame from the worker, untrusted (the code may forge one): a dict, or else a
+    ``_ProtocolError``. The caller bounds the size; the parser's own recursion guard and
+    ``_clean`` bound the nesting; invalid UTF-8 and lone surrogates become U+FFFD."""
+    try:
+        frame = json.loads(data.decode("utf-8", "replace"))
+    except (ValueError, RecursionError) as exc:
+        raise _ProtocolError(f"malformed frame: {type(exc).__name__}") from None
+    if not isinstance(frame, dict):
+        raise _ProtocolError("malformed frame")
+    return _clean(frame)  # type: ignore[return-value]
 
 
 def _pick_uid_range() -> tuple[int, int] | None:
@@ -254,13 +304,7 @@ class _Worker:
                     if len(self.buf) >= 4 + n:
                         data = bytes(self.buf[4 : 4 + n])
                         del self.buf[: 4 + n]
-                        try:
-                            frame = json.loads(data.decode("utf-8", "surrogatepass"))
-                        except ValueError as exc:
-                            raise _ProtocolError(f"malformed frame: {exc}") from None
-                        if not isinstance(frame, dict):
-                            raise _ProtocolError("malformed frame")
-                        return frame
+                        return _parse_frame(data)
                 if self.out_eof:
                     raise EOFError
                 timeout = deadline - time.monotonic()
@@ -389,6 +433,8 @@ class Sandbox:
         self.pool_size = max(0, int(pool_size))
         self.allowed_modules = tuple(allowed_modules)
         self.disk_mb = int(disk_mb)
+        # Copied back per run, all images together: no more than the work dir itself can hold.
+        self.max_copy_bytes = self.disk_mb * 1024 * 1024
         self.startup_timeout = startup_timeout
         self._python = python or sys.executable
         self._is_root = os.geteuid() == 0
@@ -800,6 +846,9 @@ class Sandbox:
                 if not stat.S_ISREG(st.st_mode) or st.st_size > self.max_file_bytes:
                     os.close(fd)
                     continue
+                if st.st_blocks * 512 < st.st_size:
+                    os.close(fd)
+                    continue  # sparse (holes cost the sandbox nothing, a full copy would not)
                 if self._is_root and st.st_uid == 0:
                     os.close(fd)
                     continue  # not written by the code
@@ -813,10 +862,13 @@ class Sandbox:
         found.sort()
         paths: list[str] = []
         run_dir = None
+        budget = self.max_copy_bytes
         for _, name, fd in found:
             try:
-                if len(paths) >= MAX_IMAGES:
+                size = os.fstat(fd).st_size
+                if len(paths) >= MAX_IMAGES or size > budget:
                     continue
+                budget -= size
                 if run_dir is None:
                     with self._lock:
                         self._run_counter += 1
