@@ -13,20 +13,33 @@ Default: speceyes mode, tau 0.5 (the tiny small model's confidences sit around 0
 accepts nearly all and the run finishes in minutes on 2 CPU cores; use --tau 0.98 to send
 everything through the agent).
 
+``--schedules batched,pipelined`` runs the same load once per schedule, one after the other in
+the same invocation, and prints the p50 latency of the gate-accepted answers of each (a mixed
+load needs a tau between the confidences, e.g. --tau 0.83). ``--adversarial 0.1`` then runs
+the last schedule again with 10% hostile requests mixed in (lone surrogates, 11 options, a
+20,000-character option, a 1 MB question, a 9400x9400 PNG header, deeply nested JSON, a wrong
+API key): every valid request must be answered correctly, every hostile one must get a 4xx,
+none lost; it prints the valid requests' p95 against the clean run's.
+
     python benchmarks/bench_serve_load.py [--n 1000] [--concurrency 64] [--mode speceyes]
         [--tau 0.5] [--batch-size 32] [--max-wait-ms 10] [--max-queue 256]
+        [--schedules pipelined] [--adversarial 0.1]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
+import json
 import os
 import random
 import resource
+import struct
 import sys
 import tempfile
 import time
+import zlib
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -38,6 +51,7 @@ import numpy as np  # noqa: E402
 from PIL import Image, ImageDraw  # noqa: E402
 
 ROUTES = {"small", "agent_after_judge", "agent_after_gate", "agent_only", "small_only"}
+API_KEY = "bench-key"
 
 
 def scene(i: int) -> Image.Image:
@@ -57,25 +71,72 @@ def build(args: argparse.Namespace, root: Path):
     large = HFBackend(build_tiny_model(root / "large", "qwen2_5_vl", seed=2, lm_head_scale=20.0))
     agent = ZoomAgent(large, max_new_tokens=args.agent_max_tokens)
 
-    def funnel():
-        cfg = FunnelConfig(mode=args.mode, tau=args.tau, batch_size=args.batch_size)
+    def funnel(schedule: str):
+        cfg = FunnelConfig(
+            mode=args.mode, tau=args.tau, batch_size=args.batch_size, schedule=schedule
+        )
         return Funnel(small, large, agent, cfg)
 
     return funnel
 
 
-async def load(args: argparse.Namespace, url: str, reqs: list[dict], truth: list[str]) -> dict:
+def png_header(width: int, height: int) -> str:
+    """A data URI of a PNG that declares width x height and holds no pixel data (86 bytes)."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        crc = zlib.crc32(kind + data) & 0xFFFFFFFF
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", crc)
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IEND", b"")
+    return "data:image/png;base64," + base64.b64encode(png).decode()
+
+
+def hostile_requests(image_uri: str) -> list[tuple[str, bytes, dict[str, str]]]:
+    """(name, body, headers) of the attacks the server must answer with a 4xx."""
+    key = {"Authorization": f"Bearer {API_KEY}"}
+
+    def body(text: str, image: str = image_uri, **extra: Any) -> bytes:
+        content = [
+            {"type": "image_url", "image_url": {"url": image}},
+            {"type": "text", "text": text},
+        ]
+        msg = {"model": "speceyes", "messages": [{"role": "user", "content": content}], **extra}
+        return json.dumps(msg).encode()
+
+    return [
+        ("lone surrogate", body("\ud800 what color?"), key),
+        ("11 options", body("Which?", options=[f"o{k}" for k in range(11)]), key),
+        ("20k option", body("Which?", options=["red", "x" * 20_000]), key),
+        ("1 MB question", body("q" * 1_000_000), key),
+        ("9400x9400 image", body("What color?", image=png_header(9400, 9400)), key),
+        ("nested JSON", b"[" * 100_000 + b"]" * 100_000, key),
+        ("wrong API key", body("What color?"), {"Authorization": "Bearer wrong"}),
+    ]
+
+
+async def load(
+    args: argparse.Namespace, url: str, reqs: list[dict], truth: list[str], adversarial: float
+) -> dict:
+    import aiohttp
     import openai
 
     client = openai.AsyncOpenAI(
-        base_url=url + "/v1", api_key="none", max_retries=0, timeout=args.client_timeout
+        base_url=url + "/v1", api_key=API_KEY, max_retries=0, timeout=args.client_timeout
     )
+    raw = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=args.client_timeout))
     sem = asyncio.Semaphore(args.concurrency)
     lat: list[float] = []
+    accepted_lat: list[float] = []
     out: Counter[str] = Counter()
     routes: Counter[str] = Counter()
     errors: Counter[str] = Counter()
+    hostile_status: Counter[str] = Counter()
     rng = random.Random(0)
+    attacks = hostile_requests(reqs[0]["messages"][0]["content"][0]["image_url"]["url"])
+    # Which requests are hostile: a fixed share, spread at random over the run.
+    n_hostile = round(adversarial * args.n)
+    hostile = set(random.Random(1).sample(range(args.n), n_hostile))
 
     def well_formed(r: Any) -> bool:
         extra = (r.model_extra or {}).get("speceyes")
@@ -89,7 +150,39 @@ async def load(args: argparse.Namespace, url: str, reqs: list[dict], truth: list
             and isinstance(extra.get("timings"), dict)
         )
 
+    async def backoff(attempt: int) -> None:
+        # Exponential backoff with jitter: retries must not arrive in lockstep.
+        await asyncio.sleep(min(2.0, 0.05 * 2**attempt) * (0.5 + rng.random()))
+
+    async def attack(i: int) -> None:
+        name, data, headers = attacks[i % len(attacks)]
+        async with sem:
+            for attempt in range(args.max_attempts):
+                try:
+                    async with raw.post(
+                        url + "/v1/chat/completions",
+                        data=data,
+                        headers={**headers, "Content-Type": "application/json"},
+                    ) as resp:
+                        status = resp.status
+                        await resp.read()
+                except Exception as e:
+                    out["hostile_failed"] += 1
+                    errors[f"hostile {name}: {type(e).__name__}"] += 1
+                    return
+                if status == 429:
+                    out["429"] += 1
+                    await backoff(attempt)
+                    continue
+                hostile_status[f"{name}: {status}"] += 1
+                out["hostile_4xx" if 400 <= status < 500 else "hostile_not_4xx"] += 1
+                return
+            out["gave_up_after_429"] += 1
+
     async def one(i: int) -> None:
+        if i in hostile:
+            await attack(i)
+            return
         k = i % len(reqs)
         async with sem:
             t0 = time.perf_counter()
@@ -98,8 +191,7 @@ async def load(args: argparse.Namespace, url: str, reqs: list[dict], truth: list
                     r = await client.chat.completions.create(model="speceyes", **reqs[k])
                 except openai.RateLimitError:
                     out["429"] += 1
-                    # Exponential backoff with jitter: retries must not arrive in lockstep.
-                    await asyncio.sleep(min(2.0, 0.05 * 2**attempt) * (0.5 + rng.random()))
+                    await backoff(attempt)
                     continue
                 except Exception as e:  # any other status or transport error is a failure
                     out["failed"] += 1
@@ -112,7 +204,10 @@ async def load(args: argparse.Namespace, url: str, reqs: list[dict], truth: list
                 else:
                     out["ok"] += 1
                     lat.append(time.perf_counter() - t0)
-                    routes[r.model_extra["speceyes"]["route"]] += 1
+                    route = r.model_extra["speceyes"]["route"]
+                    routes[route] += 1
+                    if route == "small":
+                        accepted_lat.append(lat[-1])
                 return
             out["gave_up_after_429"] += 1
 
@@ -120,13 +215,60 @@ async def load(args: argparse.Namespace, url: str, reqs: list[dict], truth: list
     await asyncio.gather(*[one(i) for i in range(args.n)])
     wall = time.perf_counter() - t0
     await client.close()
-    answered = sum(out[k] for k in ("ok", "failed", "malformed", "mismatched"))
-    out["lost"] = args.n - answered - out["gave_up_after_429"]
-    return {"wall": wall, "lat": lat, "out": out, "routes": routes, "errors": errors}
+    await raw.close()
+    answered = sum(
+        out[k]
+        for k in ("ok", "failed", "malformed", "mismatched", "hostile_4xx", "hostile_not_4xx")
+    )
+    out["lost"] = args.n - answered - out["gave_up_after_429"] - out["hostile_failed"]
+    return {
+        "wall": wall,
+        "lat": lat,
+        "accepted_lat": accepted_lat,
+        "out": out,
+        "routes": routes,
+        "errors": errors,
+        "hostile_status": hostile_status,
+        "valid": args.n - n_hostile,
+    }
 
 
 def metric_sum(text: str, name: str) -> float:
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
+def report(label: str, res: dict, metrics: str) -> int:
+    """Print one run; returns the number of requests that did not end as they must."""
+    out, lat = res["out"], np.array(res["lat"])
+    batches = metric_sum(metrics, "speceyes_batch_size_count")
+    mean_batch = metric_sum(metrics, "speceyes_batch_size_sum") / max(1.0, batches)
+    print(f"--- {label}")
+    print(
+        f"results: ok={out['ok']} of {res['valid']} valid, lost={out['lost']} "
+        f"failed={out['failed']} malformed={out['malformed']} mismatched={out['mismatched']} "
+        f"429s_retried={out['429']} gave_up={out['gave_up_after_429']}"
+    )
+    if res["hostile_status"]:
+        print(
+            f"hostile: {out['hostile_4xx']} got a 4xx, {out['hostile_not_4xx']} did not, "
+            f"{out['hostile_failed']} transport errors; {dict(sorted(res['hostile_status'].items()))}"
+        )
+    if res["errors"]:
+        print(f"errors: {dict(res['errors'])}")
+    print(f"routes: {dict(res['routes'])}")
+    if len(lat):
+        p50, p95, p99 = np.percentile(lat, [50, 95, 99])
+        print(
+            f"latency (client, incl. queueing and retries): p50 {p50:.3f} s  p95 {p95:.3f} s  "
+            f"p99 {p99:.3f} s  max {lat.max():.3f} s"
+        )
+    if res["accepted_lat"]:
+        print(f"gate-accepted answers: p50 {np.percentile(res['accepted_lat'], 50):.3f} s")
+    print(
+        f"throughput: {out['ok'] / res['wall']:.2f} req/s  ({out['ok']} answers in "
+        f"{res['wall']:.1f} s); {int(batches)} funnel batches, mean size {mean_batch:.1f}"
+    )
+    return res["valid"] - out["ok"] + out["lost"] + out["hostile_not_4xx"] + out["hostile_failed"]
 
 
 def main() -> int:
@@ -142,7 +284,21 @@ def main() -> int:
     ap.add_argument("--scenes", type=int, default=16, help="distinct (image, question) pairs")
     ap.add_argument("--max-attempts", type=int, default=50, help="tries per request on 429")
     ap.add_argument("--client-timeout", type=float, default=600.0)
+    ap.add_argument(
+        "--schedules", default="pipelined", help="comma-separated: batched, pipelined (in order)"
+    )
+    ap.add_argument(
+        "--adversarial",
+        type=float,
+        default=0.0,
+        help="share of hostile requests in an extra run of the last schedule (e.g. 0.1)",
+    )
     args = ap.parse_args()
+    schedules = [x.strip() for x in args.schedules.split(",") if x.strip()]
+    if not schedules or any(x not in ("batched", "pipelined") for x in schedules):
+        ap.error("--schedules takes batched and/or pipelined")
+    if not 0.0 <= args.adversarial < 1.0:
+        ap.error("--adversarial must be in [0, 1)")
 
     import torch
 
@@ -154,8 +310,14 @@ def main() -> int:
         f"config: n={args.n} concurrency={args.concurrency} mode={args.mode} tau={args.tau} "
         f"batch_size={args.batch_size} max_wait_ms={args.max_wait_ms} max_queue={args.max_queue} "
         f"agent_max_tokens={args.agent_max_tokens} scenes={args.scenes} "
+        f"schedules={schedules} adversarial={args.adversarial} "
         f"cpus={os.cpu_count()} torch_threads={torch.get_num_threads()}"
     )
+    runs = [(x, 0.0) for x in schedules]
+    if args.adversarial:
+        runs.append((schedules[-1], args.adversarial))
+    bad = 0
+    results = []
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         make_funnel = build(args, Path(tmp))
@@ -177,54 +339,41 @@ def main() -> int:
             reqs.append({"messages": msgs, **({"extra_body": {"options": opts}} if opts else {})})
             queries.append(Query(id=str(k), image=uri, question=text, options=opts))
         t0 = time.perf_counter()
-        truth = [r.answer for r in make_funnel().run_batch(queries)]
+        truth = [r.answer for r in make_funnel("batched").run_batch(queries)]
         dt = time.perf_counter() - t0
         print(f"ground truth for {args.scenes} scenes via Funnel.run_batch: {dt:.1f} s")
 
-        app = create_app(
-            make_funnel(),
-            batch_size=args.batch_size,
-            max_wait_ms=args.max_wait_ms,
-            max_queue=args.max_queue,
-        )
-        with ServerThread(app) as srv:
-            print(f"serving on {srv.url}")
-            res = asyncio.run(load(args, srv.url, reqs, truth))
-            import urllib.request
+        for schedule, adversarial in runs:
+            app = create_app(
+                make_funnel(schedule),
+                batch_size=args.batch_size,
+                max_wait_ms=args.max_wait_ms,
+                max_queue=args.max_queue,
+                api_key=API_KEY,
+            )
+            with ServerThread(app) as srv:
+                res = asyncio.run(load(args, srv.url, reqs, truth, adversarial))
+                import urllib.request
 
-            metrics = urllib.request.urlopen(srv.url + "/metrics", timeout=30).read().decode()
+                req = urllib.request.Request(
+                    srv.url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"}
+                )
+                metrics = urllib.request.urlopen(req, timeout=30).read().decode()
+            label = f"{schedule} schedule" + (
+                f", {adversarial:.0%} hostile requests" if adversarial else ", clean"
+            )
+            bad += report(label, res, metrics)
+            results.append((label, res))
 
-    out, lat = res["out"], np.array(res["lat"])
-    batches = metric_sum(metrics, "speceyes_batch_size_count")
-    mean_batch = metric_sum(metrics, "speceyes_batch_size_sum") / max(1.0, batches)
-    print(
-        f"results: ok={out['ok']} lost={out['lost']} failed={out['failed']} "
-        f"malformed={out['malformed']} mismatched={out['mismatched']} "
-        f"429s_retried={out['429']} gave_up={out['gave_up_after_429']}"
-    )
-    if res["errors"]:
-        print(f"errors: {dict(res['errors'])}")
-    print(f"routes: {dict(res['routes'])}")
-    if len(lat):
-        p50, p95, p99 = np.percentile(lat, [50, 95, 99])
-        print(
-            f"latency (client, incl. queueing and retries): p50 {p50:.3f} s  p95 {p95:.3f} s  "
-            f"p99 {p99:.3f} s  max {lat.max():.3f} s"
-        )
-    print(
-        f"throughput: {out['ok'] / res['wall']:.2f} req/s  ({out['ok']} answers in "
-        f"{res['wall']:.1f} s); {int(batches)} funnel batches, mean size {mean_batch:.1f}"
-    )
+    print("--- summary")
+    for label, res in results:
+        lat, acc = np.array(res["lat"]), res["accepted_lat"]
+        p95 = f"{np.percentile(lat, 95):.3f} s" if len(lat) else "-"
+        p50a = f"{np.percentile(acc, 50):.3f} s" if acc else "-"
+        print(f"{label}: valid p95 {p95}, gate-accepted p50 {p50a}")
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"peak RSS: {rss:.0f} MiB")
-    bad = (
-        out["lost"]
-        + out["failed"]
-        + out["malformed"]
-        + out["mismatched"]
-        + out["gave_up_after_429"]
-    )
-    print("PASS" if bad == 0 else f"FAIL: {bad} requests without a correct answer")
+    print("PASS" if bad == 0 else f"FAIL: {bad} requests did not end as they must")
     return 0 if bad == 0 else 1
 
 
