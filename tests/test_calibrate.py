@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 from speceyes.bench import calibrate as cb
+from speceyes.bench import regate as rg
 from speceyes.bench.runlog import load_run, write_synthetic_run
+from speceyes.bench.splits import parse_split, split_indices, subset_run
 
 # ------------------------------------------------------------------------------- binomial
 
@@ -102,21 +104,130 @@ def _risk_on(fresh_conf, fresh_wrong):
     return risk
 
 
-def test_max_error_guarantee_holds_over_repetitions():
-    max_error, confidence, reps = 0.1, 0.9, 200
-    rng = np.random.default_rng(2024)
-    risk = _risk_on(*_draw(rng, 400_000))
-    violations, accepted = 0, []
+# Analytic risks: confidence c ~ U(0, 1), P(wrong | c) = r(c); the risk among accepted answers
+# at tau is R(tau) = integral_tau^1 r / (1 - tau), exact, so a violation (R(tau) > E) needs no
+# large fresh sample. Piecewise-constant r gives R in closed form.
+E, DELTA, REPS, N = 0.1, 0.1, 2000, 300
+
+
+def _piecewise(edges, values):
+    """r = values[i] on [edges[i], edges[i+1]); returns (r, R)."""
+    edges, values = np.asarray(edges, float), np.asarray(values, float)
+    mass = np.concatenate([np.cumsum((np.diff(edges) * values)[::-1])[::-1], [0.0]])
+
+    def r(c):
+        return values[np.clip(np.searchsorted(edges, c, side="right") - 1, 0, len(values) - 1)]
+
+    def risk(tau):
+        if tau >= 1.0:
+            return 0.0
+        i = int(np.clip(np.searchsorted(edges, tau, side="right") - 1, 0, len(values) - 1))
+        return (mass[i + 1] + (edges[i + 1] - tau) * values[i]) / (1.0 - tau)
+
+    return r, risk
+
+
+def _steep():
+    # r = 0.9 (1 - c)^2: R = 0.3 (1 - tau)^2, valid for tau >= 1 - sqrt(1/3) = 0.42
+    return (lambda c: 0.9 * (1 - c) ** 2), (lambda tau: 0.3 * (1 - tau) ** 2)
+
+
+SCENARIOS = {
+    "flat": _piecewise([0, 1], [E * 1.1]),  # every tau is invalid: any pass is a violation
+    "steep": _steep(),
+    # Good at the top, a bad band at 0.6-0.8, good again below: the valid taus are not an
+    # interval, and a test without its stopping rule wanders past the bad band.
+    "non-monotone": _piecewise([0, 0.3, 0.6, 0.8, 1], [0.5, 0.02, 0.2, 0.02]),
+}
+
+
+def _upper_tail(v: int, reps: int, rate: float) -> float:
+    """P(Bin(reps, rate) >= v): how surprising v violations are if the true rate is ``rate``."""
+    return 1.0 - cb.binom_cdf(v - 1, reps, rate)
+
+
+def _coverage(r, risk, choosers):
+    """Violations of E per chooser over REPS fresh calibration sets, and the mean share the
+    first chooser accepts."""
+    violations, accepted = np.zeros(len(choosers), int), 0.0
+    for rep in range(REPS):
+        rng = np.random.default_rng(rep)
+        conf = rng.random(N)
+        wrong = rng.random(N) < r(conf)
+        scan = cb.ltt_scan(conf, wrong, E, DELTA, n_grid=100)
+        for i, choose in enumerate(choosers):
+            j = choose(scan)
+            if j >= 0:
+                violations[i] += risk(scan.taus[j]) > E
+                accepted += (i == 0) * scan.accepted[j] / N / REPS
+    return violations, accepted
+
+
+def _with_stopping_rule(scan):
+    return cb.fixed_sequence_choice(scan, DELTA)[0]
+
+
+def _without_stopping_rule(scan):
+    """The broken variant: every testable candidate tested at delta, the largest-acceptance
+    rejection kept (no stop at the first failure)."""
+    ok = np.flatnonzero(scan.testable & (scan.pvalues <= DELTA))
+    return int(ok[-1]) if ok.size else -1
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_coverage_at_the_claimed_level(name):
+    r, risk = SCENARIOS[name]
+    (violations, broken), accepted = _coverage(
+        r, risk, [_with_stopping_rule, _without_stopping_rule]
+    )
+    # One-sided binomial check: a true violation rate of delta makes this count unsurprising.
+    assert _upper_tail(violations, REPS, DELTA) > 1e-3, (name, violations / REPS)
+    if name == "steep":
+        assert accepted > 0.3  # not vacuous: the best valid tau (0.42) accepts 58%
+    if name == "flat":  # the same check catches the test without its stopping rule
+        assert _upper_tail(broken, REPS, DELTA) < 1e-6, broken / REPS
+    assert broken >= violations
+
+
+def test_scan_choice_is_ltt_max_error():
+    r, _ = SCENARIOS["non-monotone"]
+    for rep in range(20):
+        rng = np.random.default_rng(rep)
+        conf = rng.random(N)
+        wrong = rng.random(N) < r(conf)
+        scan = cb.ltt_scan(conf, wrong, E, DELTA, n_grid=100)
+        j, tested = cb.fixed_sequence_choice(scan, DELTA)
+        res = cb.ltt_max_error(conf, wrong, E, DELTA, n_grid=100)
+        assert res.tau == (scan.taus[j] if j >= 0 else cb.NO_TAU) and res.tested == tested
+
+
+def test_vectorised_pvalues_equal_exact():
+    rng = np.random.default_rng(0)
+    for n in (7, 300, 2000):  # table and per-row paths
+        m = rng.integers(0, n + 1, 300)
+        k = rng.integers(-1, n + 1, 300) % (m + 1)
+        got = cb.binom_pvalues(k, m, 0.07)
+        ref = [cb.binom_pvalue(int(a), int(b), 0.07) for a, b in zip(k, m, strict=True)]
+        np.testing.assert_allclose(got, ref, rtol=1e-9, atol=1e-300)
+
+
+def test_family_wise_selection_keeps_the_guarantee():
+    """Eight configurations on flat risk just above E: keeping any that passes at delta each
+    violates far more often than delta; testing each at delta/8 (Bonferroni) does not."""
+    reps, configs = 500, 8
+    naive = bonf = 0
     for rep in range(reps):
-        conf, wrong = _draw(np.random.default_rng(rep), 400)
-        res = cb.ltt_max_error(conf, wrong, max_error, 1 - confidence, n_grid=100)
-        violations += risk(res.tau) > max_error
-        accepted.append(res.n_accepted / 400)
-        if res.passed:
-            assert res.bound <= max_error + 1e-9
-    assert violations / reps <= 1 - confidence
-    # Not vacuous: the true best tau (risk = E) is about 0.42, accepting 58%.
-    assert np.mean(accepted) > 0.3
+        rng = np.random.default_rng(10_000 + rep)
+        wrong = rng.random(N) < E * 1.1
+        confs = [rng.random(N) for _ in range(configs)]  # K/agg reorder the same answers
+        at = [
+            [cb.ltt_max_error(c, wrong, E, d, n_grid=50) for c in confs]
+            for d in (DELTA, DELTA / configs)
+        ]
+        naive += cb.choose_in_family(at[0]) >= 0
+        bonf += cb.choose_in_family(at[1]) >= 0
+    assert _upper_tail(bonf, reps, DELTA) > 1e-3, bonf / reps
+    assert _upper_tail(naive, reps, DELTA) < 1e-6, naive / reps
 
 
 def test_relative_accuracy_guarantee_holds_over_repetitions():
@@ -237,3 +348,143 @@ def test_calibrate_speceyes_mode_run(tmp_path):
     assert cal.expected_speedup is not None and cal.expected_speedup > 1  # analytic form
     with pytest.raises(ValueError, match="needs a `speceyes eval --mode both` run"):
         cb.calibrate(run, min_relative_accuracy=0.95)
+
+
+# ------------------------------------------------------------------------------- splits, setup
+
+
+def _with_setup(run_dir, small="models/small", large="models/large"):
+    """Record a setup in a synthetic run's config, as eval does."""
+    res = json.loads((run_dir / "results.json").read_text())
+    res["config"] |= {"models": {"small": small, "large": large}, "agent": "deepeyes"}
+    res["config"] |= {"judge_mode": "decode", "judge_threshold": 0.4}
+    (run_dir / "results.json").write_text(json.dumps(res))
+    return run_dir
+
+
+def test_split_is_stratified_seeded_and_order_free(run):
+    split = parse_split("40:30:30", seed=3)
+    parts = split_indices(run.ids, run.categories, split)
+    assert sorted(np.concatenate(parts).tolist()) == list(range(run.n))
+    for cat in run.category_names:
+        in_cat = int(np.sum(run.categories == cat))
+        sizes = [int(np.sum(run.categories[p] == cat)) for p in parts]
+        assert all(abs(s - w / 100 * in_cat) <= 1 for s, w in zip(sizes, (40, 30, 30), strict=True))
+    # The same ids land in the same parts whatever the log order; another seed cuts otherwise.
+    rev = split_indices(run.ids[::-1], run.categories[::-1], split)
+    assert [sorted(run.ids[i] for i in p) for p in parts] == [
+        sorted(run.ids[::-1][i] for i in p) for p in rev
+    ]
+    other = split_indices(run.ids, run.categories, parse_split("40:30:30", seed=4))
+    assert not np.array_equal(parts[0], other[0])
+    for bad in ("50", "1:2:3:4", "a:b", "0:1", "-1:2"):
+        with pytest.raises(ValueError, match="--split"):
+            parse_split(bad)
+    assert split.index("calib") == 1 and split.index("3") == 2
+    with pytest.raises(ValueError, match="unknown part"):
+        split.index("train")
+
+
+def test_calibrate_on_split_reports_held_out(run):
+    cal = cb.calibrate(run, max_error=0.15, confidence=0.9, split=parse_split("50:50"))
+    assert cal.passed and cal.split == "50:50 (seed 0)"
+    calib, test = split_indices(run.ids, run.categories, parse_split("50:50"))
+    assert cal.n_queries == len(calib)
+    h = cal.held_out
+    assert h["n"] == len(test)
+    # The held-out numbers are those of the test part replayed at the calibrated tau.
+    test_run = subset_run(run, test)
+    row = rg.regate(test_run, [cal.tau], cal.top_k, cal.agg)[0]
+    assert h["accuracy"] == pytest.approx(row.accuracy) and h["speedup"] == pytest.approx(
+        row.speedup
+    )
+    assert h["accepted_error"] == pytest.approx(row.accepted_error)
+    assert "held out (test part" in cb.format_calibration(cal)
+    assert "in-sample" in cb.format_calibration(cb.calibrate(run, max_error=0.15))
+
+
+def test_family_is_recorded_with_bonferroni_levels(run):
+    cal = cb.calibrate(run, max_error=0.15, top_k=[8, 16], agg=["min", "mean"])
+    assert len(cal.family) == 4 and all(m["delta"] == pytest.approx(0.1 / 4) for m in cal.family)
+    kept = [m for m in cal.family if m["passed"]]
+    assert (cal.top_k, cal.agg) in {(m["top_k"], m["agg"]) for m in kept}
+    assert cal.n_accepted == max(m["n_accepted"] for m in kept)
+    # A single configuration is tested at the full delta, and accepts at least as much.
+    one = cb.calibrate(run, max_error=0.15, top_k=cal.top_k, agg=cal.agg)
+    assert one.family[0]["delta"] == pytest.approx(0.1) and one.n_accepted >= cal.n_accepted
+
+
+def test_holdout_run_must_be_another_run_of_the_same_setup(tmp_path):
+    a = load_run(_with_setup(write_synthetic_run(tmp_path / "a", 1500, seed=1, k_logged=16)))
+    b_dir = _with_setup(write_synthetic_run(tmp_path / "b", 800, seed=2, k_logged=16))
+    ids = {"q": "h"}  # synthetic ids repeat across runs: rename the held-out ones
+    text = (b_dir / "samples.jsonl").read_text().replace('"id": "q', f'"id": "{ids["q"]}')
+    (b_dir / "samples.jsonl").write_text(text)
+    cal = cb.calibrate(a, max_error=0.15, holdout=load_run(b_dir))
+    assert cal.holdout == str(b_dir) and cal.held_out["n"] == 800
+    with pytest.raises(ValueError, match="shares 1500 queries"):
+        cb.calibrate(a, max_error=0.15, holdout=a)
+    c_dir = _with_setup(write_synthetic_run(tmp_path / "c", 300, seed=3, k_logged=16), small="x")
+    with pytest.raises(ValueError, match="another models"):
+        cb.calibrate(a, max_error=0.15, holdout=load_run(c_dir))
+    with pytest.raises(ValueError, match="either a split or a holdout"):
+        cb.calibrate(a, split=parse_split("50:50"), holdout=load_run(b_dir))
+
+
+def test_file_records_the_setup_and_eval_checks_it(tmp_path):
+    from speceyes.cli import build_parser, funnel_config
+
+    d = _with_setup(write_synthetic_run(tmp_path / "r", 2000, seed=5, k_logged=16, alpha=0.5))
+    cal = cb.calibrate(load_run(d), max_error=0.15)
+    path = cb.write_calibration(cal, tmp_path / "cal.json")
+    back = cb.read_calibration(path)
+    assert back == cal and back.models == {"small": "models/small", "large": "models/large"}
+    assert (back.agent, back.judge_mode, back.judge_threshold, back.alpha) == (
+        "deepeyes", "decode", 0.4, 0.5,
+    )  # fmt: skip
+
+    def config(small, large, *extra):
+        args = build_parser().parse_args(
+            ["eval", "--bench", "jsonl", "--data", "x", "--small", small, "--large", large,
+             "--calibration", str(path), *extra]
+        )  # fmt: skip
+        return funnel_config(args)
+
+    fc = config("models/small", "models/large/")
+    assert (fc.tau, fc.top_k, fc.agg, fc.alpha) == (cal.tau, 16, "min", 0.5)
+    assert (fc.judge_mode, fc.judge_threshold) == ("decode", 0.4)
+    with pytest.raises(ValueError, match="made for --large 'models/large', not 'other'"):
+        config("models/small", "other")
+    with pytest.raises(ValueError, match="made with --agent deepeyes, not thyme"):
+        config("models/small", "models/large", "--agent", "thyme")
+    path.write_text(json.dumps(cal.to_dict() | {"models": None}))
+    with pytest.raises(ValueError, match="records no models"):
+        config("models/small", "models/large")
+    path.write_text(json.dumps(cal.to_dict() | {"passed": False, "tau": 1.0}))
+    with pytest.raises(ValueError, match="accepts nothing"):
+        config("models/small", "models/large")
+
+
+def test_nothing_passes_exits_nonzero_and_sizes_the_need(tmp_path, capsys):
+    from speceyes.cli import main
+
+    d = write_synthetic_run(tmp_path / "vstar-sized", 191, seed=3, k_logged=16)
+    assert (
+        main(["calibrate", str(d), "--max-error", "0.05", "--output", str(tmp_path / "c.json")])
+        == 1
+    )
+    out = capsys.readouterr()
+    assert "NO tau passed" in out.out and "eval and serve refuse it" in out.err
+    cal = cb.read_calibration(tmp_path / "c.json")
+    assert not cal.passed and cal.needed_n > 191
+    assert f"about {cal.needed_n} queries would be needed" in out.out
+    # Not an empty promise: a run twice that size from the same source passes.
+    big = load_run(write_synthetic_run(tmp_path / "big", 2 * cal.needed_n, seed=5, k_logged=16))
+    assert cb.calibrate(big, max_error=0.05).passed
+    # Targets no amount of data reaches: recommend agent-only.
+    assert (
+        main(["calibrate", str(d), "--max-error", "0.001", "--output", str(tmp_path / "c.json")])
+        == 1
+    )
+    assert "agent-only (--mode agent)" in capsys.readouterr().out
+    assert cb.read_calibration(tmp_path / "c.json").needed_n is None

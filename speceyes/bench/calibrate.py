@@ -50,6 +50,7 @@ from speceyes.bench.splits import Split, split_run
 METHOD_MAX_ERROR = "ltt-fixed-sequence-clopper-pearson"
 METHOD_RELATIVE = "ltt-fixed-sequence-empirical-bernstein"
 METHODS = (METHOD_MAX_ERROR, METHOD_RELATIVE)
+_EXACT_MAX = 20_000  # accepted counts up to which the n-needed estimate uses exact p-values
 MIN_RATE_COUNT = 20  # accepted answers below which an observed error rate is not extrapolated
 NO_TAU = 1.0  # confidence > 1.0 never holds: accept nothing
 FORMAT_VERSION = 2  # 2: records the setup (models, agent, judge) and held-out numbers
@@ -220,6 +221,16 @@ def ltt_max_error(
     return LttResult(float(scan.taus[best]), bound, n, m, tested, True)
 
 
+def choose_in_family(results: Sequence[LttResult]) -> int:
+    """Index of the configuration kept from a family tested at delta / len(results) each: the
+    passing one that accepts most (-1 when none passes). Every passing configuration is valid
+    simultaneously with probability >= 1 - delta (union bound), so the choice may look at the
+    data without breaking the guarantee."""
+    passing = [i for i, r in enumerate(results) if r.passed]
+    return max(passing, key=lambda i: results[i].n_accepted) if passing else -1
+
+
+@functools.lru_cache(maxsize=4096)
 @functools.lru_cache(maxsize=4096)
 def _cdf_row(n: int, p: float) -> np.ndarray:
     """P(Bin(n, p) <= k) for k = 0..n, as one cumulative sum of exact pmf terms."""
@@ -227,8 +238,14 @@ def _cdf_row(n: int, p: float) -> np.ndarray:
 
 
 def binom_pvalues(errors: np.ndarray, n: np.ndarray, max_error: float) -> np.ndarray:
-    """``binom_pvalue`` elementwise (1.0 where n is 0), one CDF row per distinct n."""
+    """``binom_pvalue`` elementwise (1.0 where n is 0): from one cached table when every n is
+    small, else one CDF row per distinct n."""
     errors, n = np.asarray(errors, np.int64), np.asarray(n, np.int64)
+    top = int(n.max(initial=0))
+    if top <= _TABLE_MAX:
+        size = max(64, 1 << max(top, 1).bit_length())  # a few table sizes serve all calls
+        table = _cdf_table(min(size, _TABLE_MAX), float(max_error))
+        return table[n, np.clip(errors, 0, n)]
     out = np.ones(n.shape)
     for size in np.unique(n[n > 0]):
         sel = n == size
@@ -236,7 +253,28 @@ def binom_pvalues(errors: np.ndarray, n: np.ndarray, max_error: float) -> np.nda
     return out
 
 
-def min_accepted(max_error: float, delta: float, start_rate: float = 0.5, limit: int = 10**6):
+_TABLE_MAX = 1024  # (n+1)^2 floats: 8 MB at most
+
+
+@functools.lru_cache(maxsize=8)
+def _cdf_table(n: int, p: float) -> np.ndarray:
+    """P(Bin(m, p) <= k) for m, k = 0..n, by the recurrence
+    F(m+1, k) = (1-p) F(m, k) + p F(m, k-1) (a convex combination: no loss of precision)."""
+    table = np.ones((n + 1, n + 1))
+    row = np.ones(n + 1)
+    for m in range(1, n + 1):
+        shifted = np.concatenate([[0.0], row[:-1]])
+        row = (1.0 - p) * row + p * shifted
+        row[m:] = 1.0
+        table[m] = row
+    table.setflags(write=False)
+    return table
+
+
+@functools.lru_cache(maxsize=1024)  # a scan over counts; the same levels recur
+def min_accepted(
+    max_error: float, delta: float, start_rate: float = 0.5, limit: int = 10**6
+) -> int:
     """Smallest accepted count at which an observed error rate of ``start_rate * max_error``
     would reject H0 (start_rate 0: zero errors). Starting the fixed sequence there keeps it from
     stopping at a first candidate with almost no data; it depends on counts only, so the
@@ -445,8 +483,7 @@ def calibrate(
                 conf[eligible], wrong, max_error, family_delta, taus, n_grid, start_rate
             )
         members.append(FamilyMember(g.top_k, g.agg, res))
-    passing = [m for m in members if m.result.passed]
-    chosen = max(passing, key=lambda m: m.result.n_accepted) if passing else members[0]
+    chosen = members[max(choose_in_family([m.result for m in members]), 0)]
     g = rg.GateSetting(chosen.top_k, chosen.agg, configs[0].alpha)
     res = chosen.result
     if min_relative_accuracy is not None:
@@ -563,16 +600,17 @@ def _needed_n(
     max_error: float,
     delta: float,
     start_rate: float = 0.5,
-    max_scale: float = 1e4,
+    max_queries: float = 1e7,
 ) -> int | None:
     """Queries a run would need for the test to pass if its error rates stayed as observed.
 
     The run is scaled by a factor c: every candidate's accepted count becomes c*m and its error
     rate (e + 1)/(m + 1) (one error added, so a handful of lucky answers does not promise a
-    pass); the same fixed-sequence test then runs on those counts, from the first candidate with
-    at least MIN_RATE_COUNT answers today (fewer say too little about a rate). Returns the smallest run size
-    that passes for some configuration (to 1%), or None when none passes even at ``max_scale``
-    times the data (more data would not help: run agent-only).
+    pass); the same fixed-sequence test then runs on those counts (exact p-values up to
+    _EXACT_MAX accepted, a normal approximation beyond), from the first candidate with at least MIN_RATE_COUNT
+    answers today (fewer say too little about a rate). Returns the smallest run size
+    that passes for some configuration (to 1%), or None when none passes even with
+    ``max_queries`` queries (more data would not help: run agent-only).
     """
     eligible, _ = _gate_population(run)
     wrong = ~rg.known_correct(run.small_correct[eligible])
@@ -582,18 +620,24 @@ def _needed_n(
         m, sums = rg.sums_above(conf, wrong.astype(float)[:, None], candidate_taus(conf))
         scans.append((np.asarray(m, float), (sums[:, 0] + 1.0) / (np.asarray(m, float) + 1.0)))
 
+    start = min_accepted(max_error, delta, start_rate, limit=10**7)
+    sd = math.sqrt(max_error * (1.0 - max_error))
+
     def passes(c: float) -> bool:
         for m, rate in scans:
             mc = np.floor(m * c).astype(np.int64)
             ec = np.floor(rate * mc).astype(np.int64)
-            start = min_accepted(max_error, delta, start_rate, limit=int(mc.max(initial=0)))
+            if mc.max(initial=0) <= _EXACT_MAX:
+                pvalues = binom_pvalues(ec, mc, max_error)
+            else:  # normal approximation with continuity correction, at any size
+                z = (ec + 0.5 - mc * max_error) / (sd * np.sqrt(np.maximum(mc, 1)))
+                pvalues = 0.5 * np.vectorize(math.erfc)(-z / math.sqrt(2.0))
             testable = (mc >= start) & (m >= MIN_RATE_COUNT)
-            scan = LttScan(m, mc, ec, binom_pvalues(ec, mc, max_error), testable)
-            if fixed_sequence_choice(scan, delta)[0] >= 0:
+            if fixed_sequence_choice(LttScan(m, mc, ec, pvalues, testable), delta)[0] >= 0:
                 return True
         return False
 
-    if not passes(max_scale):
+    if not passes(max_queries / max(run.n, 1)):
         return None
     lo, hi = 1.0, 2.0
     while not passes(hi):
