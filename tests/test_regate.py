@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from speceyes import gate
+from speceyes.bench import occupancy
 from speceyes.bench import regate as rg
 from speceyes.bench.runlog import (
     RunLogError,
@@ -292,3 +293,106 @@ def test_no_warnings_on_clean_load(both_dir):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         load_run(both_dir)
+
+
+# ------------------------------------------------------------------------------- batch occupancy
+
+
+def _drive(turns, max_loops, step_cost):
+    """The funnel's scheduler, brute force: loops admitted in order while slots are free, one
+    batched step for all in flight; returns (wall, each loop's share)."""
+    pending, active, shares, wall = list(range(len(turns))), [], np.zeros(len(turns)), 0.0
+    left = list(turns)
+    while pending or active:
+        while pending and len(active) < max_loops:
+            active.append(pending.pop(0))
+        cost = step_cost(len(active))
+        wall += cost
+        for i in active:
+            shares[i] += cost / len(active)
+            left[i] -= 1
+        active = [i for i in active if left[i] > 0]
+    return wall, shares
+
+
+FIXED, PER_LOOP = 0.2, 0.05
+
+
+def _occupancy_run(tmp_path, schedule="batched", batch=8, n=96, seed=0):
+    rng = np.random.default_rng(seed)
+    turns = rng.integers(1, 6, n)
+    step = lambda b: FIXED + PER_LOOP * b  # noqa: E731
+    shares = np.zeros(n)
+    if schedule == "batched":
+        for start in range(0, n, batch):
+            shares[start : start + batch] = _drive(turns[start : start + batch], batch, step)[1]
+    else:
+        shares = _drive(turns, 4, step)[1]
+    z1 = rng.uniform(0.0, 10.0, n)
+    samples = [
+        _sample(
+            i, bool(rng.random() < 0.2), float(z1[i]), bool(rng.random() < 0.8), True,
+            {"judge": 0.01, "small": 0.02, "agent": float(shares[i])},
+            trace=[{"type": "assistant"}] * int(turns[i]) + [{"type": "zoom"}],
+        )
+        for i in range(n)
+    ]  # fmt: skip
+    cfg = {"schedule": schedule, "batch_size": batch, "max_agent_loops": 4}
+    return load_run(_write(tmp_path, samples, cfg)), turns, step
+
+
+@pytest.mark.parametrize("schedule", ["batched", "pipelined"])
+def test_step_cost_fit_and_replayed_wall(tmp_path, schedule):
+    run, turns, step = _occupancy_run(tmp_path, schedule)
+    np.testing.assert_array_equal(occupancy.turns(run), turns)
+    cost = occupancy.fit_step_cost(run)
+    assert cost.fitted and cost.schedule == schedule
+    assert (cost.fixed, cost.per_loop) == (pytest.approx(FIXED), pytest.approx(PER_LOOP))
+    everyone = np.ones(run.n, bool)
+    assert occupancy.agent_wall(run, everyone, cost) == pytest.approx(
+        occupancy.measured_agent_wall(run)
+    )
+    # Routing keeps some loops: the replayed wall is what the scheduler would take for them.
+    keep = np.random.default_rng(1).random(run.n) < 0.4
+    if schedule == "batched":
+        truth = sum(
+            _drive(turns[s : s + 8][keep[s : s + 8]], 8, step)[0] for s in range(0, run.n, 8)
+        )
+    else:
+        truth = _drive(turns[keep], 4, step)[0]
+    assert occupancy.agent_wall(run, keep, cost) == pytest.approx(truth)
+    # Summing the kept loops' logged shares (GPU time) understates their wall clock, by much
+    # when routing empties batches (a continuous batch refills its slots from the queue).
+    gpu_time = run.timings["agent"][keep].sum()
+    assert gpu_time < (0.9 if schedule == "batched" else 1.0) * truth
+
+
+def test_regate_speedup_models_occupancy(tmp_path):
+    run, turns, step = _occupancy_run(tmp_path)
+    tau = 0.9
+    row = rg.regate(run, [tau])[0]
+    rep = rg.replay(run, tau)
+    keep = ~rep.accepted
+    agent = sum(_drive(turns[s : s + 8][keep[s : s + 8]], 8, step)[0] for s in range(0, run.n, 8))
+    total = 0.01 * run.n + 0.02 * np.sum(run.judge_tool == 0) + agent
+    assert row.speedup == pytest.approx(run.timings["agent"].sum() / total)
+    gpu_time = run.timings["agent"].sum() / rep.cost.sum()  # the old per-query sum
+    assert gpu_time > row.speedup * 1.05
+    note = rg.in_sample_note(run, 1)
+    assert "In-sample" in note and "batched schedule, step cost 200.0 ms + 50.0 ms" in note
+
+
+def test_gpu_time_model_states_its_assumption(both_run):
+    cost = occupancy.fit_step_cost(both_run)
+    assert not cost.fitted and "upper bound" in cost.describe()
+    assert "no schedule" in cost.describe()
+
+
+def test_regate_on_a_split_part(both_dir, capsys):
+    from speceyes.cli import main
+
+    assert main(["regate", str(both_dir), "--tau", "0.9", "--split", "40:30:30", "--json"]) == 0
+    out = capsys.readouterr()
+    row = json.loads(out.out)[0]
+    assert row["n"] == 160  # the sweep part: 40% of 400
+    assert "sweep part of 40:30:30 (seed 0)" in out.err and "In-sample" in out.err
