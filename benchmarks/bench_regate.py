@@ -5,11 +5,17 @@ budget (best of --repeats; each repeat loads the log afresh, so confidences are 
 the process CPU time (all threads), which tells a busy machine from a slow path.
 
     python benchmarks/bench_regate.py [--n 10000] [--k 64] [--taus 100] [--repeats 3]
+
+``--real N`` checks the speedup estimate instead: tiny local models run ``eval --mode both`` on
+N generated V*-layout questions, regate predicts the agent phase's wall time at a tau that
+accepts about half of the tool-free answers (batch-occupancy model, and the per-query sum for
+comparison), then ``eval --mode speceyes`` at that tau measures it. Prints predicted / measured.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
 import time
 from pathlib import Path
@@ -36,13 +42,69 @@ def one_pass(run_dir: Path, taus: np.ndarray, top_k: int) -> dict[str, float]:
     return {"load": t1 - t0, "confidence": t2 - t1, "sweep": t3 - t2, "total": t3 - t0, "cpu": cpu}
 
 
+def real_check(n: int, batch: int, workdir: Path) -> None:
+    """Predict a speceyes run's agent wall time from a both run, then run it and compare."""
+    from PIL import Image
+
+    from speceyes.bench import occupancy
+    from speceyes.cli import main as cli
+    from speceyes.tiny import build_tiny_model
+
+    small = build_tiny_model(workdir / "small", "qwen3_vl", seed=1, lm_head_scale=8.0)
+    large = build_tiny_model(workdir / "large", "qwen2_5_vl", seed=2, lm_head_scale=20.0)
+    rng = np.random.default_rng(0)
+    data = workdir / "vstar"
+    for cat in ("direct_attributes", "relative_position"):
+        (data / cat).mkdir(parents=True)
+        for i in range(n // 2):
+            img = np.full((224, 224, 3), 240, np.uint8)
+            x, y = rng.integers(10, 130, 2)
+            img[y : y + 80, x : x + 80] = rng.integers(0, 255, 3)
+            Image.fromarray(img).save(data / cat / f"q{i}.jpg")
+            meta = {"question": "What color is the square?", "options": ["red", "blue"]}
+            (data / cat / f"q{i}.json").write_text(json.dumps(meta))
+    common = ["eval", "--bench", "vstar", "--data", str(data), "--small", str(small)]
+    common += ["--large", str(large), "--batch-size", str(batch), "--no-progress"]
+    common += ["--agent-max-tokens", "24", "--max-tool-calls", "2", "--top-k", "16"]
+    both = workdir / "both"
+    assert cli([*common, "--mode", "both", "--tau", "0.5", "--output", str(both)]) == 0
+    run = load_run(both)
+    conf = rg.confidences(run)[run.judge_tool == 0]
+    tau = float(np.median(conf))
+    rep = rg.replay(run, tau)
+    keep = ~rep.accepted
+    cost = occupancy.step_cost(run)
+    predicted = occupancy.agent_wall(run, keep, cost)
+    gpu_sum = float(np.nansum(run.timings["agent"][keep]))
+    spec = workdir / "speceyes"
+    assert cli([*common, "--mode", "speceyes", "--tau", f"{tau!r}", "--output", str(spec)]) == 0
+    measured_run = load_run(spec)
+    measured = occupancy.measured_agent_wall(measured_run)
+    print(f"tau {tau:.6f}: {int(rep.accepted.sum())} of {run.n} accepted; {cost.describe()}")
+    print(f"agent wall, measured in the speceyes run: {measured:.2f} s")
+    print(f"predicted by occupancy model: {predicted:.2f} s (ratio {predicted / measured:.3f})")
+    print(f"per-query sum of both-run shares: {gpu_sum:.2f} s (ratio {gpu_sum / measured:.3f})")
+    t_both, t_spec = occupancy.turns(run), occupancy.turns(measured_run)
+    print(
+        f"both run: agent wall {occupancy.measured_agent_wall(run):.2f} s for {run.n} loops, "
+        f"{t_both.sum():.0f} turns; speceyes run: {t_spec.sum():.0f} turns "
+        f"(both run, kept loops: {t_both[keep].sum():.0f})"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=10_000)
     ap.add_argument("--k", type=int, default=64)
     ap.add_argument("--taus", type=int, default=100)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--real", type=int, default=0, help="check the speedup model on N queries")
+    ap.add_argument("--batch", type=int, default=8, help="--real: eval batch size")
     args = ap.parse_args()
+    if args.real:
+        with tempfile.TemporaryDirectory() as tmp:
+            real_check(args.real, args.batch, Path(tmp))
+        return
     taus = np.linspace(0.5, 0.9999, args.taus)
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / "run"
