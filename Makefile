@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml
 # and its GGUF converter, fetched here so that no test downloads anything.
 $(VENV)/.installed-test: $(VENV)/.installed
 	$(PY) -m pip install -q -e ".[dev,serve,llama]"
-	$(PY) -m speceyes.tiny_gguf --fetch-converter-only
+	$(PY) -m tests.tools.tiny_gguf --fetch-converter-only
 	touch $@
 
 .PHONY: setup demo test lint

@@ -211,7 +211,7 @@ def build_funnel(args: argparse.Namespace):
     if config.mode != "small":
         same = args.large == args.small and small is not None
         large = small if same else make_backend(args.large, args.large_family, args)
-    cap = getattr(small, "max_logprobs", None)
+    cap = None if small is None else small.max_logprobs
     if cap is not None and config.top_k > cap:
         raise ValueError(
             f"--top-k {config.top_k} exceeds the {cap} logprobs the small model's server returns; "

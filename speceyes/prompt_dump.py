@@ -21,6 +21,7 @@ class _Geometry:
     name = "geometry"
     box_coords = "absolute"
     factor, min_pixels, max_pixels = 28, 4 * 28 * 28, 16384 * 28 * 28
+    max_images = max_logprobs = None
 
     def view_of(self, image: Any) -> View:
         return view_for_model(image, self.factor, self.min_pixels, self.max_pixels)

@@ -10,6 +10,7 @@ from speceyes import gate, prompts
 from speceyes.backends.base import cut_at_stop, decode_rule_p_tool
 from speceyes.backends.hf import HFBackend, ModelLoadError
 from tests.conftest import make_scene
+from tests.tools.backend_contract import assert_backend_contract
 
 FAMILIES = ["q25", "q3"]
 
@@ -102,6 +103,21 @@ def test_view_of_uses_checkpoint_pixel_limits(q25):
     v = q25.view_of(make_scene(size=(1000, 600)))
     assert v.view_w % 28 == 0 and v.view_h % 28 == 0
     assert v.view_w * v.view_h <= q25.max_pixels
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_backend_contract(request, name):
+    be = request.getfixturevalue(name)
+    assert_backend_contract(be)
+    assert (be.max_images, be.max_logprobs) == (None, None)  # in process: no caps
+    # next_token_probs is the softmax of the same step the logit judge reads.
+    msgs = [prompts.judge_messages(make_scene(), "Is there a red square?")]
+    p = be.next_token_probs(msgs, ["yes", "no"])[0]
+    yes, no = (be.tokenizer.encode(w, add_special_tokens=False)[0] for w in ("yes", "no"))
+    with torch.inference_mode():
+        logits = be.model(**be._prepare(msgs)).logits[0, -1].float()
+    full = torch.softmax(logits, -1)
+    np.testing.assert_allclose(p, [full[yes].item(), full[no].item()], rtol=1e-5)
 
 
 def test_empty_answer_has_no_tokens(silent, scene):

@@ -13,10 +13,10 @@ their ratio) still depend on the image.
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
@@ -27,8 +27,10 @@ import pytest
 from PIL import Image
 
 from speceyes import gate, prompts
-from speceyes.backends.base import Backend, BackendError
+from speceyes.backends.base import BackendError, decode_rule_p_tool
 from tests.conftest import make_scene
+from tests.test_openai_logic import dead_url, free_port
+from tests.tools.backend_contract import assert_backend_contract
 
 # The server (llama-cpp-python[server]), the client, and what the GGUF conversion imports.
 _NEEDED = {
@@ -61,12 +63,6 @@ SERVER_START_TIMEOUT = 90.0
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _boost_yes_no(hf_dir: Path, shared: float = 0.3, weight: float = 1.5) -> None:
     """Make yes/no tokens always rank high (see the module docstring)."""
     import torch
@@ -92,14 +88,14 @@ def _boost_yes_no(hf_dir: Path, shared: float = 0.3, weight: float = 1.5) -> Non
 @pytest.fixture(scope="session")
 def gguf_models(tmp_path_factory):
     from speceyes.tiny import build_tiny_model
-    from speceyes.tiny_gguf import build_tiny_gguf, convert_both, find_converter
+    from tests.tools.tiny_gguf import build_tiny_gguf, convert_both, find_converter
 
     # Nothing is downloaded at test time: the set-up step fetched the converter beforehand.
     converter = find_converter()
     if converter is None:
         why = (
             "llama.cpp's convert_hf_to_gguf.py is not cached: run "
-            "`python -m speceyes.tiny_gguf --fetch-converter-only` (make test does)"
+            "`python -m tests.tools.tiny_gguf --fetch-converter-only` (make test does)"
         )
         if os.environ.get("CI"):
             pytest.fail(why, pytrace=False)
@@ -117,9 +113,9 @@ def gguf_models(tmp_path_factory):
 
 class _Server:
     def __init__(self, model: Path, mmproj: Path, log: Path, port: int | None = None) -> None:
-        from speceyes.tiny_gguf import server_command
+        from tests.tools.tiny_gguf import server_command
 
-        self.port = port or _free_port()
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}/v1"
         self.log = log
         cmd = server_command(model, mmproj, port=self.port, n_ctx=1024) + ["--n_threads", "2"]
@@ -198,7 +194,9 @@ def _small(image, q="What color is the square?"):
 
 
 def test_protocol_and_geometry(be25, be3):
-    assert isinstance(be25, Backend) and isinstance(be3, Backend)
+    assert_backend_contract(be25)
+    assert_backend_contract(be3)
+    assert (be25.max_logprobs, be25.max_images) == (20, None)
     assert (be25.box_coords, be25.factor) == ("absolute", 28)
     assert (be3.box_coords, be3.factor) == ("relative1000", 32)
     v = be25.view_of(make_scene(size=(1000, 600)))
@@ -222,8 +220,11 @@ def test_judge_logit_returns_probabilities(be25):
 
 
 def test_judge_decode_mode(be25):
-    p = be25.judge([prompts.judge_messages(make_scene(), "Is it red?")], mode="decode")
-    assert p in ([0.0], [1.0])
+    batch = [prompts.judge_messages(img, "Is it red?") for img in (make_scene(), _noise())]
+    p = be25.judge(batch, mode="decode")
+    # The published rule applied to the same greedy 10 tokens, asked for as a plain turn.
+    replies = [t.text for t in be25.chat(batch, max_new_tokens=10)]
+    assert p == [decode_rule_p_tool(r) for r in replies] and all(r.strip() for r in replies)
     with pytest.raises(ValueError, match="judge mode"):
         be25.judge([prompts.judge_messages(make_scene(), "x")], mode="vote")  # type: ignore
 
@@ -265,6 +266,17 @@ def test_answer_topk_matches_raw_logprobs_and_plain_greedy(be25):
     # Same greedy text as a plain completion without logprobs.
     (turn,) = be25.chat([msgs], max_new_tokens=4)
     assert turn.text.strip() == ans.text
+
+
+def test_next_token_probs_are_the_first_tokens_top_logprobs(be25):
+    msgs = _small(make_scene())
+    (first,) = be25.chat([msgs], max_new_tokens=1)  # the greedy token's text
+    (ans,) = be25.answer([msgs], max_new_tokens=1, top_k=5)
+    assert first.text
+    p = be25.next_token_probs([msgs, _small(_noise())], [first.text, "zq-not-a-token"])
+    # The greedy token is the top logprob; a word beyond the top logprobs gets 0, not a share.
+    assert p[0, 0] == pytest.approx(math.exp(ans.topk[0, 0]), rel=1e-5)
+    assert p[0, 1] == 0.0 and p[1, 1] == 0.0 and p[1, 0] != pytest.approx(p[0, 0], abs=1e-9)
 
 
 def test_batch_results_keep_their_order(be25):
@@ -353,78 +365,11 @@ def test_real_qwen_vocabulary_ids(tmp_path):
     )
 
 
-# ---- which stop string ended a turn, when the server does not say -----------------------------
-
-
-class _Choice:
-    def __init__(self, **extra):
-        self.model_extra = extra
-
-
-@pytest.mark.parametrize(
-    ("text", "extra", "want"),
-    [
-        ('<think>x</think>\n<tool_call>\n{"name": "z"}\n', {}, "</tool_call>"),
-        ("<think>x</think> <answer>red", {}, "</answer>"),
-        ("<answer>a</answer> <tool_call>{", {}, "</tool_call>"),
-        ("<tool_call>{}</tool_call> <answer>b", {}, "</answer>"),
-        ("plain end of text", {}, None),
-        ("<answer>red", {"stop_reason": None}, None),  # vLLM: EOS ended it
-        ("<answer>red", {"stop_reason": "</answer>"}, "</answer>"),
-        ("anything", {"matched_stop": "</tool_call>"}, "</tool_call>"),  # SGLang
-        ("ends with the stop</answer>", {}, "</answer>"),  # a server that keeps it
-    ],
-)
-def test_which_stop(text, extra, want):
-    b = OpenAIBackend("http://127.0.0.1:9/v1", model="m")
-    assert b._which_stop(_Choice(**extra), text, prompts.DEEPEYES_STOP) == want
-
-
-class _Top:
-    def __init__(self, token, logprob):
-        self.token, self.logprob = token, logprob
-
-
-class _Entry(_Top):
-    def __init__(self, token, tops):
-        super().__init__(token, tops[0][1] if tops else None)
-        self.top_logprobs = [_Top(t, lp) for t, lp in tops]
-
-
-@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
-def test_rows_are_sorted_padded_and_eos_is_not_scored():
-    b = OpenAIBackend("http://127.0.0.1:9/v1", model="m")
-    # Unsorted, one None (-inf), and fewer than K values (llama.cpp merges same-text tokens).
-    row = b._row(_Entry("a", [("b", -2.0), ("a", -0.5), ("c", None)]), 4)
-    assert row.tolist() == [-0.5, -2.0, -np.inf, -np.inf]
-    content = [_Entry("yes", [("yes", -0.1)]), _Entry("<|im_end|>", [("<|im_end|>", -0.2)])]
-    assert [e.token for e in b._strip_eos(content, "stop")] == ["yes"]  # vLLM sends EOS
-    assert len(b._strip_eos(content, "length")) == 2
-    # A padded row cannot be scored: its answer is never accepted.
-    conf = gate.batch_confidence([np.stack([row, row])], top_k=4)
-    assert not gate.accept(float(conf[0]), 0.0)
-
-
 # ---- replicas, retries, failover ---------------------------------------------------------------
 
 
-def _dead_url() -> str:
-    return f"http://127.0.0.1:{_free_port()}/v1"  # nothing listens there once the socket closed
-
-
-def test_dead_server_raises_backend_error_naming_the_url():
-    url = _dead_url()
-    b = OpenAIBackend(url, max_retries=2, backoff=0.05, timeout=5)
-    t0 = time.monotonic()
-    with pytest.raises(BackendError, match=r"failed after 3 attempts.*127\.0\.0\.1"):
-        b.judge([prompts.judge_messages(make_scene(), "q")])
-    assert time.monotonic() - t0 < 10
-    assert url in str(b.replica_stats()) and b.replica_stats()[0]["total_failures"] == 3
-    b.close()
-
-
 def test_failover_to_the_live_replica(q25_url):
-    dead = _dead_url()
+    dead = dead_url()
     with OpenAIBackend(
         [dead, q25_url], max_retries=3, backoff=0.05, extra_body=GREEDY, **SMALL_PIXELS
     ) as b:
@@ -504,16 +449,6 @@ def test_sync_facade_works_inside_a_running_event_loop(be25):
     assert direct == pytest.approx(via, abs=1e-6)
 
 
-def test_no_server_needed_to_construct():
-    # Construction touches no network; only the first call does.
-    b = OpenAIBackend(["http://127.0.0.1:9/v1"], family="qwen3_vl")
-    assert b.max_pixels == 16384 * 32 * 32 and b.min_pixels == 4 * 32 * 32
-    with pytest.raises(ValueError, match="family"):
-        OpenAIBackend("http://127.0.0.1:9/v1", family="llava")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="base_urls"):
-        OpenAIBackend([])
-
-
 def test_server_killed_mid_eval_loses_nothing_and_resumes(gguf_models, tmp_path):
     """A backend server dies mid-run: retries, then clear errors; the run resumes once it is back."""
     from speceyes.agents.zoom import ZoomAgent
@@ -561,30 +496,6 @@ def test_server_killed_mid_eval_loses_nothing_and_resumes(gguf_models, tmp_path)
         server.stop()
 
 
-def test_continued_assistant_turn_asks_the_server_to_continue():
-    """Thyme's sandbox output goes into the same assistant turn: the request says "continue"."""
-    b = OpenAIBackend(_dead_url(), model="m")
-    seen = []
-
-    async def capture(converted, what, **kw):
-        seen.append((converted[-1], kw.get("extra_body")))
-
-    b._complete = capture  # the request body is the unit under test; no server involved
-    b._send(
-        [
-            [{"role": "user", "content": "q"}],
-            [{"role": "user", "content": "q"},
-             {"role": "assistant", "content": "<code>x</code>", "continue": True}],
-        ],
-        "chat",
-        max_tokens=3,
-    )
-    b.close()
-    assert seen[0][1] is None
-    assert seen[1][1] == {"continue_final_message": True, "add_generation_prompt": False}
-    assert seen[1][0] == {"role": "assistant", "content": "<code>x</code>"}
-
-
 def test_llm_judge_over_a_real_server(q25_url):
     """The judge is asked only about free-form answers without an exact match."""
     from speceyes.bench.llm_judge import LLMJudge, make_scorer
@@ -603,3 +514,38 @@ def test_llm_judge_over_a_real_server(q25_url):
     assert score(yn, "no") is False and judge.calls == 1
     assert make_scorer(None)(free, "it says halt") is False
     judge.close()
+
+
+# ---- every agent and mode over servers ----------------------------------------------------------
+
+
+def _ask(servers, tmp_path, capsys, *flags):
+    """``speceyes ask --json`` with the small model on one server and the large on the other."""
+    from speceyes.cli import main
+
+    img = tmp_path / "scene.png"
+    make_scene().save(img)
+    argv = ["ask", str(img), "Is there a red square in the image?", "--json", *flags,
+            "--small", servers["qwen3_vl"], "--large", servers["qwen2_5_vl"]]
+    rc = main(argv)
+    return rc, json.loads(capsys.readouterr().out)
+
+
+def test_search_agent_over_the_server(servers, tmp_path, capsys):
+    """``--agent search`` scores regions with the server's next-token logprobs."""
+    rc, data = _ask(servers, tmp_path, capsys, "--agent", "search", "--mode", "agent",
+                    "--agent-max-tokens", "4", "--search", "depth=1,grid=2,min_region=64")
+    assert rc == 0 and data["route"] == "agent_only" and not data.get("error")
+    (zoom,) = [s for s in data["trace"] if s["type"] == "zoom"]
+    scores = [c["score"] for c in zoom["candidates"]]
+    assert len(scores) == 4 and all(0.0 <= x <= 1.0 for x in scores)
+    assert zoom["score"] == max(scores) and len(set(scores)) > 1  # the cells differ to the model
+
+
+def test_specreason_mode_over_the_servers(servers, tmp_path, capsys):
+    """``--mode specreason``: the small server proposes, the large one scores 0-9 by logprobs."""
+    rc, data = _ask(servers, tmp_path, capsys, "--mode", "specreason", "--top-k", "20",
+                    "--agent-max-tokens", "6", "--max-tool-calls", "1")
+    assert rc == 0 and data["route"] == "specreason" and not data.get("error")
+    steps = [s for s in data["trace"] if s["type"] == "step_score"]
+    assert steps and all(0.0 <= s["score"] <= 9.0 for s in steps)

@@ -180,6 +180,7 @@ class Scripted:
 
     box_coords = "absolute"
     factor, min_pixels, max_pixels = 28, 4 * 28 * 28, 16384 * 28 * 28
+    max_images = max_logprobs = None
 
     def __init__(self, script):
         self.script, self.seen, self.tokens = list(script), [], []

@@ -72,6 +72,7 @@ class ScoreDouble:
         self.real, self.color = real, color
         self.box_coords, self.factor = real.box_coords, real.factor
         self.min_pixels, self.max_pixels = real.min_pixels, real.max_pixels
+        self.max_images, self.max_logprobs = real.max_images, real.max_logprobs
         self.calls: list[int] = []
 
     def view_of(self, image):

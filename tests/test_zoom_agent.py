@@ -24,6 +24,7 @@ class ScriptedBackend:
         self.real = real
         self.box_coords = real.box_coords
         self.factor, self.min_pixels, self.max_pixels = real.factor, real.min_pixels, real.max_pixels
+        self.max_images, self.max_logprobs = real.max_images, real.max_logprobs
         self.scripts = [list(s) for s in scripts]
         self.seen: list[list[dict]] = []
 

@@ -354,8 +354,8 @@ class CodeAgent(LoopAgent):
         self.max_tool_calls = limits.max_tool_calls if max_tool_calls is None else max_tool_calls
         self.max_new_tokens = limits.agent_max_tokens if max_new_tokens is None else max_new_tokens
         # An engine's own per-prompt image limit (vLLM) must not fail the whole batch.
-        cap = getattr(backend, "max_images", None)
-        self.max_images = min(max_images, cap) if isinstance(cap, int) else max_images
+        cap = backend.max_images
+        self.max_images = max_images if cap is None else min(max_images, cap)
         self.workers = max(1, workers)
         self._sandbox = sandbox
         self._owns_sandbox = sandbox is None
@@ -568,9 +568,7 @@ class CodeAgent(LoopAgent):
 
     def _images(self, loop: _Loop, paths: Sequence[str]) -> tuple[list[Image.Image], str | None]:
         """Saved images, validated and sized for the model; or a message for the model."""
-        factor = getattr(self.backend, "factor", 28)
-        min_px = getattr(self.backend, "min_pixels", 4 * factor * factor)
-        max_px = getattr(self.backend, "max_pixels", 16384 * factor * factor)
+        b = self.backend
         images = []
         for path in paths:
             try:
@@ -580,7 +578,7 @@ class CodeAgent(LoopAgent):
             if max(img.size) / min(img.size) > MAX_RATIO:
                 return [], f"Sandbox for {loop.case_id}: The Generated img has invalid aspect_ratio"
             # smart_resize now: at least min_pixels, at most max_pixels, kept in memory small.
-            images.append(resize_for_model(img, factor, min_px, max_px)[0])
+            images.append(resize_for_model(img, b.factor, b.min_pixels, b.max_pixels)[0])
         room = self.max_images - loop.images_shown
         if len(images) > room:
             if room <= 0:

@@ -138,9 +138,10 @@ class SearchAgent(LoopAgent):
         # own size: a model trained on crops at that scale reads their objects at the size it
         # learned. Never more than the view: with a real model's large budget that stays bounded.
         self.fill_view = fill_view
-        max_pixels = getattr(backend, "max_pixels", 16384 * 28 * 28)
         # A region no larger than this is already shown at native resolution: zooming is useless.
-        self.min_region = min_region if min_region is not None else int(math.sqrt(max_pixels))
+        self.min_region = (
+            min_region if min_region is not None else int(math.sqrt(backend.max_pixels))
+        )
 
     # ---- geometry ---------------------------------------------------------------------------
     def _model_box(self, loop: _Loop, box: Sequence[float]) -> list[int]:
@@ -157,20 +158,18 @@ class SearchAgent(LoopAgent):
         self, loop: _Loop, model_box: list[int]
     ) -> tuple[Image.Image, tuple[int, int, int, int]]:
         b = self.backend
-        factor = getattr(b, "factor", 28)
-        max_pixels = getattr(b, "max_pixels", 16384 * factor * factor)
         crop, _, box = zoom_crop(
             loop.image,
             loop.view,
             model_box,
             coords=b.box_coords,
-            factor=factor,
+            factor=b.factor,
             min_pixels=(
-                min(max_pixels, loop.view.view_w * loop.view.view_h)
+                min(b.max_pixels, loop.view.view_w * loop.view.view_h)
                 if self.fill_view
-                else getattr(b, "min_pixels", 4 * factor**2)
+                else b.min_pixels
             ),
-            max_pixels=max_pixels,
+            max_pixels=b.max_pixels,
             min_size=self.min_box,
         )
         return crop, box
@@ -181,12 +180,7 @@ class SearchAgent(LoopAgent):
 
     # ---- scoring ------------------------------------------------------------------------------
     def _p_yes(self, batch: list[Messages]) -> np.ndarray:
-        probs = getattr(self.backend, "next_token_probs", None)
-        if probs is None:
-            raise BackendError(
-                f"{type(self.backend).__name__} cannot score regions (no next_token_probs)"
-            )
-        p = np.asarray(probs(batch, ["yes", "no"]), dtype=np.float64)
+        p = np.asarray(self.backend.next_token_probs(batch, ["yes", "no"]), dtype=np.float64)
         return p[:, 0] / np.maximum(p[:, 0] + p[:, 1], 1e-30)
 
     def _search_step(self, loops: list[_Loop]) -> None:

@@ -37,7 +37,7 @@ class SpecReasonAgent(ZoomAgent):
             ]
             for lp, text in zip(loops, proposals, strict=True)
         ]
-        probs = self.backend.next_token_probs(batch, DIGITS)  # type: ignore[attr-defined]
+        probs = self.backend.next_token_probs(batch, DIGITS)
         mass = probs.sum(axis=1)
         return (probs * np.arange(10)).sum(axis=1) / np.maximum(mass, 1e-30)
 

@@ -143,15 +143,15 @@ class ZoomAgent(LoopAgent):
         )
 
     def _zoom(self, loop: _Loop, args: dict[str, Any]) -> Image.Image:
-        factor = getattr(self.backend, "factor", 28)
+        b = self.backend
         crop, _, box = zoom_crop(
             loop.image,
             loop.view,
             args["bbox_2d"],
-            coords=self.backend.box_coords,
-            factor=factor,
-            min_pixels=getattr(self.backend, "min_pixels", 4 * factor * factor),
-            max_pixels=getattr(self.backend, "max_pixels", 16384 * factor * factor),
+            coords=b.box_coords,
+            factor=b.factor,
+            min_pixels=b.min_pixels,
+            max_pixels=b.max_pixels,
             min_size=self.min_box,
         )
         loop.outcome.trace.append(

@@ -8,7 +8,9 @@ Backends know nothing of the funnel. All of them take OpenAI-style chat messages
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol
+
+import numpy as np
 
 from speceyes.images import View
 from speceyes.types import ChatTurn, SpecAnswer
@@ -31,14 +33,35 @@ class BackendError(RuntimeError):
     """A model call failed (timeout, server error, out of memory); the message says which."""
 
 
-@runtime_checkable
 class Backend(Protocol):
+    """Everything the funnel and the agents use of a model runtime.
+
+    Geometry: every image a backend is given is smart_resized with ``factor``, ``min_pixels``
+    and ``max_pixels`` before the model sees it; agents crop and resize with the same numbers
+    so that the boxes a model writes map back to the original exactly.
+    """
+
     name: str
     # "absolute" pixels of the resized view (Qwen2.5-VL) or "relative1000" (Qwen3-VL).
     box_coords: Literal["absolute", "relative1000"]
+    factor: int  # side of one merged visual token in pixels (patch size x merge size)
+    min_pixels: int
+    max_pixels: int
+    # Images one conversation may hold (an engine's per-prompt limit); None: no limit.
+    max_images: int | None
+    # Top logprobs one generated token can return (a server's cap); None: the whole vocabulary.
+    max_logprobs: int | None
 
     def view_of(self, image: Any) -> View:
         """The geometry of ``image`` as this model sees it (after its smart_resize)."""
+        ...
+
+    def next_token_probs(self, batch: Sequence[Messages], words: Sequence[str]) -> np.ndarray:
+        """P(first token of each word) at the next position, ``[conversations, words]``.
+
+        One step per conversation. Backends that see only the top logprobs (servers) give 0 to
+        a word outside them: rows may sum to less than one, so callers normalise over the words.
+        """
         ...
 
     def judge(self, batch: Sequence[Messages], mode: JudgeMode = "logit") -> list[float]:

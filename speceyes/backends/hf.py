@@ -109,6 +109,9 @@ class HFBackend:
         self.min_pixels = min_pixels or get("shortest_edge") or 4 * self.factor**2
         self.max_pixels = max_pixels or get("longest_edge") or 16384 * self.factor**2
         self.merge = int(getattr(ip, "merge_size", 2))
+        # In process: any number of images, and top-K over the whole vocabulary.
+        self.max_images: int | None = None
+        self.max_logprobs: int | None = None
 
         tok = self.tokenizer
         tok.padding_side = "left"

@@ -30,6 +30,10 @@ Known server differences (documented, handled here):
   re-appended, as the HF backend keeps it. EOS-like stops (``<|im_end|>``) are never appended.
 * The API returns token strings, not ids: ``SpecAnswer.token_ids`` stays empty; the number of
   answer tokens is ``len(topk)``.
+* ``next_token_probs`` generates one token (``max_tokens=1``) with the server's whole cap of top
+  logprobs (``max_logprobs``). A word counts by the top token whose text is exactly the word, so
+  the words should be single tokens (yes, no, digits); a word outside the top logprobs gets 0:
+  the mass beyond the cap is unknown, not spread over the words.
 """
 
 from __future__ import annotations
@@ -106,6 +110,7 @@ class OpenAIBackend:
         extra_body: dict[str, Any] | None = None,
         max_concurrency: int = 64,
         eos_tokens: Sequence[str] = ("<|im_end|>", "<|endoftext|>"),
+        max_images: int | None = None,
     ) -> None:
         try:
             import openai
@@ -133,6 +138,8 @@ class OpenAIBackend:
         self.max_retries = int(max_retries)
         self.backoff = float(backoff)
         self.max_logprobs = int(max_logprobs)
+        # The server's per-prompt image limit (vLLM --limit-mm-per-prompt), if it has one.
+        self.max_images = max_images
         self.extra_body = dict(extra_body or {})
         self.eos_tokens = tuple(eos_tokens)
         self.judge_fallbacks = 0  # judgments with neither yes nor no among the top logprobs
@@ -481,6 +488,23 @@ class OpenAIBackend:
                 out.append(0.5)
         return out
 
+    def next_token_probs(self, batch: Sequence[Messages], words: Sequence[str]) -> np.ndarray:
+        if not batch:
+            return np.zeros((0, len(words)))
+        resps = self._send(
+            batch, "next token", max_tokens=1, logprobs=True, top_logprobs=self.max_logprobs
+        )
+        out = np.zeros((len(batch), len(words)))
+        for i, r in enumerate(resps):
+            content = self._content(r.choices[0])
+            self._require_logprobs(content, r.choices[0])
+            if content:
+                out[i] = word_probs(
+                    [(t.token or "", _finite(t.logprob)) for t in content[0].top_logprobs or []],
+                    words,
+                )
+        return out
+
     def answer(
         self, batch: Sequence[Messages], max_new_tokens: int = 20, top_k: int = 64
     ) -> list[SpecAnswer]:
@@ -562,6 +586,19 @@ class OpenAIBackend:
         self, batch: Sequence[Messages], stop: Sequence[str] = (), max_new_tokens: int = 1024
     ) -> list[ChatTurn]:
         return await asyncio.to_thread(self.chat, batch, stop, max_new_tokens)
+
+
+def word_probs(top: Sequence[tuple[str, float]], words: Sequence[str]) -> np.ndarray:
+    """P(word) per word from one token's top ``(token text, logprob)`` pairs.
+
+    A word takes the probability of the top token whose text equals it (the most probable one
+    if several do: servers that key by text merge them); a word not among them gets 0.
+    """
+    best: dict[str, float] = {}
+    for text, lp in top:
+        if lp > best.get(text, -math.inf):
+            best[text] = lp
+    return np.array([math.exp(best[w]) if w in best else 0.0 for w in words])
 
 
 def _stop_loop(loop: asyncio.AbstractEventLoop) -> None:

@@ -5,12 +5,17 @@ One ``LLM`` engine runs each model in this process. Every batch of conversations
 batching. Images are resized here with the model's smart_resize (the exact scale is needed to
 map zoom boxes back) and the engine is given the same pixel limits, so its own resize is a
 no-op. ``limit_mm_per_prompt`` covers the original image plus one crop per tool call.
+
+The engine's outputs are read by the module-level functions below (``RequestOutput.outputs[0]``
+is a ``CompletionOutput``; its ``logprobs`` hold one ``{token id: Logprob}`` dict per generated
+token, the sampled token plus the top ``logprobs`` ones), which need no engine and are tested on
+CPU against stand-ins of those types.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -79,23 +84,7 @@ class VLLMBackend:
         return view_for_model(img, self.factor, self.min_pixels, self.max_pixels)
 
     def _convert(self, messages: Messages) -> list[dict]:
-        out = []
-        for m in messages:
-            content = m["content"]
-            if isinstance(content, list):
-                parts = []
-                for p in content:
-                    if p.get("type") in ("image", "image_url"):
-                        src = p.get("image") or (p.get("image_url") or {}).get("url")
-                        img, _ = resize_for_model(
-                            load_image(src), self.factor, self.min_pixels, self.max_pixels
-                        )
-                        parts.append({"type": "image_pil", "image_pil": img})
-                    else:
-                        parts.append(p)
-                content = parts
-            out.append({"role": m["role"], "content": content})
-        return out
+        return engine_messages(messages, self.factor, self.min_pixels, self.max_pixels)
 
     def _chat(self, batch: Sequence[Messages], params) -> list:
         # A last {"role": "assistant", ..., "continue": True} extends that turn (Thyme). vLLM
@@ -125,13 +114,16 @@ class VLLMBackend:
             return [decode_rule_p_tool(o.outputs[0].text) for o in outs]
         k = min(20, self.max_logprobs)
         outs = self._chat(batch, SamplingParams(temperature=0.0, max_tokens=1, logprobs=k))
-        result = []
-        for o in outs:
-            step = o.outputs[0].logprobs[0] if o.outputs[0].logprobs else {}
-            yes = sum(math.exp(lp.logprob) for t, lp in step.items() if t in self.yes_ids)
-            no = sum(math.exp(lp.logprob) for t, lp in step.items() if t in self.no_ids)
-            result.append(yes / (yes + no) if yes + no > 0 else 0.5)
-        return result
+        return [judge_p_tool(first_step(o), self.yes_ids, self.no_ids) for o in outs]
+
+    def next_token_probs(self, batch: Sequence[Messages], words: Sequence[str]) -> np.ndarray:
+        from vllm import SamplingParams
+
+        if not batch:
+            return np.zeros((0, len(words)))
+        ids = [self.tokenizer.encode(w, add_special_tokens=False)[0] for w in words]
+        params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=self.max_logprobs)
+        return np.stack([token_probs(first_step(o), ids) for o in self._chat(batch, params)])
 
     def answer(
         self, batch: Sequence[Messages], max_new_tokens: int = 20, top_k: int = 64
@@ -148,15 +140,9 @@ class VLLMBackend:
         answers = []
         eos = {self.tokenizer.eos_token_id, *getattr(self.tokenizer, "all_special_ids", [])}
         for o in self._chat(batch, params):
-            c = o.outputs[0]
-            ids = list(c.token_ids)
-            n = next((j for j, t in enumerate(ids) if t in eos), len(ids))
-            rows = np.full((n, top_k), -np.inf)
-            for j in range(n):
-                vals = sorted((lp.logprob for lp in c.logprobs[j].values()), reverse=True)[:top_k]
-                rows[j, : len(vals)] = vals
-            text = self.tokenizer.decode(ids[:n], skip_special_tokens=True).strip()
-            answers.append(SpecAnswer(text=text, topk=rows, token_ids=ids[:n]))
+            ids, rows = topk_rows(o.outputs[0], top_k, eos)
+            text = self.tokenizer.decode(ids, skip_special_tokens=True).strip()
+            answers.append(SpecAnswer(text=text, topk=rows, token_ids=ids))
         return answers
 
     def chat(
@@ -180,3 +166,63 @@ class VLLMBackend:
             turns.append(ChatTurn(text=text, finish_reason=finish, stop=which, tokens=len(c.token_ids)))
         return turns
 
+
+
+# ---- the engine's outputs, read without the engine ---------------------------------------------
+def engine_messages(
+    messages: Messages, factor: int, min_pixels: int, max_pixels: int
+) -> list[dict[str, Any]]:
+    """speceyes messages -> ``LLM.chat`` messages: images smart_resized here, as PIL parts."""
+    out = []
+    for m in messages:
+        content = m["content"]
+        if isinstance(content, list):
+            parts = []
+            for p in content:
+                if p.get("type") in ("image", "image_url"):
+                    src = p.get("image")
+                    if src is None:
+                        url = p.get("image_url")
+                        src = url.get("url") if isinstance(url, dict) else url
+                    img, _ = resize_for_model(load_image(src), factor, min_pixels, max_pixels)
+                    parts.append({"type": "image_pil", "image_pil": img})
+                else:
+                    parts.append(p)
+            content = parts
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
+def first_step(request_output: Any) -> Mapping[int, Any]:
+    """The ``{token id: Logprob}`` dict of a request's first generated token ({} if none)."""
+    logprobs = request_output.outputs[0].logprobs
+    return logprobs[0] if logprobs else {}
+
+
+def judge_p_tool(
+    step: Mapping[int, Any], yes_ids: Collection[int], no_ids: Collection[int]
+) -> float:
+    """P(yes) / (P(yes) + P(no)) over one step's logprobs; 0.5 when neither is among them."""
+    yes = sum(math.exp(lp.logprob) for t, lp in step.items() if t in yes_ids)
+    no = sum(math.exp(lp.logprob) for t, lp in step.items() if t in no_ids)
+    return yes / (yes + no) if yes + no > 0 else 0.5
+
+
+def token_probs(step: Mapping[int, Any], ids: Sequence[int]) -> np.ndarray:
+    """P(token) per id from one step's logprobs; an id outside them gets 0 (mass unknown)."""
+    return np.array([math.exp(step[i].logprob) if i in step else 0.0 for i in ids])
+
+
+def topk_rows(
+    completion: Any, top_k: int, eos_ids: Collection[int]
+) -> tuple[list[int], np.ndarray]:
+    """A ``CompletionOutput``'s tokens before the first EOS and their top-K logprobs, each row
+    sorted descending and padded with -inf (a step can hold K + 1 entries: the sampled token
+    when it ranks below K, which the sort drops)."""
+    ids = list(completion.token_ids)
+    n = next((j for j, t in enumerate(ids) if t in eos_ids), len(ids))
+    rows = np.full((n, top_k), -np.inf)
+    for j in range(n):
+        vals = sorted((lp.logprob for lp in completion.logprobs[j].values()), reverse=True)[:top_k]
+        rows[j, : len(vals)] = vals
+    return ids[:n], rows

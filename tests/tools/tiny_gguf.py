@@ -1,5 +1,7 @@
 """Tiny Qwen-VL models as GGUF files, for testing against a real llama.cpp server offline.
 
+A test tool, not part of the package: it fetches llama.cpp's converter at set-up time.
+
 A tiny random checkpoint with the real Qwen vocabulary (``speceyes.tiny``, ``vocab="qwen"``: the
 converter only accepts tokenizers it recognises) is converted twice with llama.cpp's own
 ``convert_hf_to_gguf.py``: once for the text model and once with ``--mmproj`` for the vision
@@ -13,7 +15,7 @@ into the cache folder (``$SPECEYES_CACHE`` or ``~/.cache/speceyes``). ``$SPECEYE
 may point at any llama.cpp checkout instead. The converter imports ``sentencepiece`` (only to
 find that there is no SentencePiece model here), so that package must be installed.
 
-Command line: ``python -m speceyes.tiny_gguf OUT_DIR [--family qwen3_vl]`` builds the files and
+Command line: ``python -m tests.tools.tiny_gguf OUT_DIR [--family qwen3_vl]`` builds the files and
 prints the llama-cpp-python server command that serves them; ``--fetch-converter-only`` just
 caches the converter (a setup step, so that tests need no download).
 """
@@ -272,7 +274,7 @@ def server_command(model: Path, mmproj: Path, port: int = 8000, n_ctx: int = 409
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m speceyes.tiny_gguf", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m tests.tools.tiny_gguf", description=__doc__)
     ap.add_argument("out_dir", type=Path, nargs="?", help="where to write the GGUF files")
     ap.add_argument("--family", choices=["qwen2_5_vl", "qwen3_vl"], default="qwen2_5_vl")
     ap.add_argument("--seed", type=int, default=0)

@@ -1,0 +1,249 @@
+"""The vLLM backend's own logic on CPU, against stand-ins of vLLM's documented output types.
+
+vLLM needs CUDA, so the engine never runs here. What the backend does with the engine's
+outputs is tested against small stand-ins shaped like vLLM's ``RequestOutput`` (``outputs``: a
+list of ``CompletionOutput``), ``CompletionOutput`` (``index``, ``text``, ``token_ids``,
+``cumulative_logprob``, ``logprobs``, ``finish_reason``, ``stop_reason``) and ``Logprob``
+(``logprob``, ``rank``, ``decoded_token``), where ``logprobs`` is one ``{token id: Logprob}``
+dict per generated token: the sampled token plus the top ``SamplingParams.logprobs``. A stand-in
+``vllm`` module (``LLM``, ``SamplingParams``) then runs the backend's methods end to end.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import types
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from speceyes import gate, prompts
+from speceyes.backends import vllm as vb
+from speceyes.images import smart_resize, to_data_uri
+from tests.conftest import make_scene
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None = "stop"
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    outputs: list[CompletionOutput]
+    prompt: str | None = None
+    prompt_token_ids: list[int] = field(default_factory=list)
+    finished: bool = True
+
+
+def step_of(logits: np.ndarray, k: int, sampled: int | None = None) -> dict[int, Logprob]:
+    """What vLLM returns for one token: the top-k logprobs (ranked) plus the sampled token."""
+    lp = logits - np.log(np.exp(logits - logits.max()).sum()) - logits.max()
+    order = np.argsort(-lp)
+    keep = [int(i) for i in order[:k]]
+    if sampled is not None and sampled not in keep:
+        keep.append(sampled)
+    rank = {int(t): r + 1 for r, t in enumerate(order)}
+    return {t: Logprob(float(lp[t]), rank[t], f"t{t}") for t in keep}
+
+
+# ---- pure functions ---------------------------------------------------------------------------
+
+
+def test_topk_rows_match_the_gate_on_full_logits():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(0, 3, size=(3, 200))
+    eos = 199
+    k = 8
+    # Step 1 samples a token ranked below k: vLLM adds it, the row must still be the top k.
+    low = int(np.argsort(-logits[1])[50])
+    steps = [step_of(logits[0], k), step_of(logits[1], k, sampled=low), step_of(logits[2], k)]
+    ids = [int(np.argmax(logits[0])), low, eos]
+    out = CompletionOutput(0, "ab", ids, None, steps)
+    kept, rows = vb.topk_rows(out, k, {eos})
+    assert kept == ids[:2] and rows.shape == (2, k)
+    assert np.all(np.diff(rows, axis=1) <= 0)
+    # Logprobs are logits minus a per-token constant: the same separability, the same score.
+    full = gate.answer_confidence(logits[:2], top_k=k)
+    assert gate.answer_confidence(rows, top_k=k) == pytest.approx(full, rel=1e-9)
+
+
+def test_topk_rows_pad_short_steps_and_stop_at_eos():
+    steps = [{5: Logprob(-0.1), 6: Logprob(-2.5)}, {2: Logprob(-0.01)}]
+    kept, rows = vb.topk_rows(CompletionOutput(0, "x", [5, 2], None, steps), 3, {2})
+    assert kept == [5] and rows.tolist() == [[-0.1, -2.5, -np.inf]]
+    kept, rows = vb.topk_rows(CompletionOutput(0, "", [], None, []), 3, {2})
+    assert kept == [] and rows.shape == (0, 3)
+
+
+def test_judge_and_token_probabilities_from_one_step():
+    step = {1: Logprob(math.log(0.3)), 2: Logprob(math.log(0.1)), 3: Logprob(math.log(0.2)),
+            9: Logprob(math.log(0.05))}
+    # yes ids {1, 2} sum to 0.4, no id {3} is 0.2: 0.4 / 0.6.
+    assert vb.judge_p_tool(step, {1, 2}, {3}) == pytest.approx(2 / 3)
+    assert vb.judge_p_tool(step, {7}, {8}) == 0.5  # neither among the logprobs: undecided
+    np.testing.assert_allclose(vb.token_probs(step, [3, 42, 1]), [0.2, 0.0, 0.3])
+    request = RequestOutput("r", [CompletionOutput(0, "a", [1], None, [step])])
+    assert vb.first_step(request) is step
+    assert vb.first_step(RequestOutput("r", [CompletionOutput(0, "", [], None, None)])) == {}
+
+
+def test_engine_messages_resize_every_image_form():
+    img = make_scene(size=(1000, 600))
+    parts = [
+        prompts.image_part(img),
+        {"type": "image_url", "image_url": {"url": to_data_uri(img)}},
+        {"type": "image_url", "image_url": to_data_uri(img)},
+        prompts.text_part("What color?"),
+    ]
+    msgs = [{"role": "system", "content": "sys"}, {"role": "user", "content": parts}]
+    out = vb.engine_messages(msgs, 28, 4 * 28 * 28, 256 * 28 * 28)
+    assert out[0] == {"role": "system", "content": "sys"}
+    h, w = smart_resize(600, 1000, 28, 4 * 28 * 28, 256 * 28 * 28)
+    images = [p["image_pil"] for p in out[1]["content"] if p["type"] == "image_pil"]
+    assert len(images) == 3 and all(i.size == (w, h) for i in images)
+    assert out[1]["content"][3] == prompts.text_part("What color?")
+    assert isinstance(msgs[1]["content"][0]["image"], Image.Image)  # the input is not changed
+
+
+# ---- the backend's methods over a stand-in engine ----------------------------------------------
+
+
+class WordTokenizer:
+    """One token per word of a fixed vocabulary (id = index); id 0 is EOS."""
+
+    vocab = ["<eos>", "yes", "Yes", "no", "No", "red", "blue", *[str(d) for d in range(10)]]
+    eos_token_id = 0
+    all_special_ids = [0]
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [self.vocab.index(w) for w in text.split() if w in self.vocab]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return " ".join(self.vocab[i] for i in ids if not (skip_special_tokens and i == 0))
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0
+    max_tokens: int = 16
+    logprobs: int | None = None
+    stop: list[str] | None = None
+    include_stop_str_in_output: bool = False
+
+
+class LLM:
+    """Greedy over fixed logits per conversation: the last user text picks the row."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.kwargs, self.calls = kwargs, []
+        self.tok = WordTokenizer()
+
+    def get_tokenizer(self) -> WordTokenizer:
+        return self.tok
+
+    def _logits(self, conv: list[dict]) -> np.ndarray:
+        content = conv[-1]["content"]
+        if isinstance(content, list):
+            content = " ".join(p["text"] for p in content if p["type"] == "text")
+        logits = np.random.default_rng(sum(map(ord, content))).normal(0, 2, len(self.tok.vocab))
+        logits[0] = -10.0  # EOS comes only where chat() writes it
+        return logits
+
+    def chat(self, convs, params, use_tqdm=True, **kw):
+        self.calls.append((len(convs), params, kw))
+        outs = []
+        for conv in convs:
+            logits = self._logits(conv)
+            ids, steps = [], []
+            for j in range(params.max_tokens):
+                t = int(np.argmax(logits)) if j < 2 else 0  # two words, then EOS
+                steps.append(step_of(logits, params.logprobs or 1, sampled=t))
+                ids.append(t)
+                if t == 0:
+                    break
+                logits = np.roll(logits, 1)
+            text = self.tok.decode(ids, skip_special_tokens=True)
+            comp = CompletionOutput(0, text, ids, None, steps if params.logprobs else None,
+                                    "stop" if ids[-1] == 0 else "length")
+            outs.append(RequestOutput(str(len(outs)), [comp]))
+        return outs
+
+
+@pytest.fixture
+def backend(monkeypatch):
+    fake = types.ModuleType("vllm")
+    fake.LLM, fake.SamplingParams = LLM, SamplingParams
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    return vb.VLLMBackend("m", family="qwen2_5_vl", max_logprobs=12, max_images=3,
+                          max_pixels=64 * 28 * 28)
+
+
+def _conv(text: str) -> list[dict]:
+    return [{"role": "user", "content": [prompts.image_part(make_scene()), prompts.text_part(text)]}]
+
+
+def test_backend_contract_and_engine_settings(backend):
+    from tests.tools.backend_contract import assert_backend_contract
+
+    assert_backend_contract(backend)
+    assert (backend.factor, backend.max_images, backend.max_logprobs) == (28, 3, 12)
+    kw = backend.llm.kwargs
+    assert kw["max_logprobs"] == 12 and kw["limit_mm_per_prompt"] == {"image": 3}
+    assert kw["mm_processor_kwargs"] == {"min_pixels": 4 * 28 * 28, "max_pixels": 64 * 28 * 28}
+
+
+def test_backend_methods_over_the_stand_in_engine(backend):
+    tok, llm = backend.tokenizer, backend.llm
+    batch = [_conv("first"), _conv("second")]
+    # next_token_probs: one step with the engine's whole cap, P of each word's first token.
+    p = backend.next_token_probs(batch, ["yes", "red", "7"])
+    assert llm.calls[-1][1].max_tokens == 1 and llm.calls[-1][1].logprobs == 12
+    for row, conv in zip(p, batch, strict=True):
+        logits = llm._logits(backend._convert(conv))
+        full = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
+        top = set(np.argsort(-full)[:12].tolist())
+        want = [full[i] if i in top else 0.0 for i in map(tok.vocab.index, ["yes", "red", "7"])]
+        np.testing.assert_allclose(row, want, rtol=1e-9)
+    # judge: the yes/no first-token ids of the engine's tokenizer.
+    assert (sorted(backend.yes_ids), sorted(backend.no_ids)) == ([1, 2], [3, 4])
+    probs = backend.next_token_probs(batch, ["yes", "Yes", "no", "No"])
+    want = probs[:, :2].sum(1) / probs.sum(1)
+    np.testing.assert_allclose(backend.judge(batch), want, rtol=1e-9)
+    # answer: the text and top-K rows before EOS.
+    a, b = backend.answer(batch, max_new_tokens=5, top_k=4)
+    assert len(a.token_ids) == 2 and a.topk.shape == (2, 4) and 0 not in a.token_ids
+    assert a.text == tok.decode(a.token_ids) and a.text != b.text
+    with pytest.raises(ValueError, match="max_logprobs"):
+        backend.answer(batch, top_k=13)
+
+
+def test_continued_turns_go_in_their_own_call_and_results_keep_order(backend):
+    cont = [*_conv("c"), {"role": "assistant", "content": "red", "continue": True}]
+    batch = [_conv("a"), cont, _conv("b")]
+    before = len(backend.llm.calls)
+    turns = backend.chat(batch, stop=["</answer>"], max_new_tokens=1)
+    calls = backend.llm.calls[before:]
+    assert [(n, kw) for n, _, kw in calls] == [
+        (2, {}), (1, {"add_generation_prompt": False, "continue_final_message": True})
+    ]
+    alone = [backend.chat([m], max_new_tokens=1)[0].text for m in batch]
+    assert [t.text for t in turns] == alone and all(t.finish_reason == "length" for t in turns)
