@@ -10,15 +10,36 @@ run side by side in one process on the same inputs.
 from __future__ import annotations
 
 import argparse
+import random
 import tempfile
 import time
 from pathlib import Path
 
+from PIL import Image, ImageDraw
+
 from speceyes.agents.zoom import ZoomAgent
 from speceyes.backends.hf import HFBackend
-from speceyes.demo import demo_queries
 from speceyes.funnel import Funnel, FunnelConfig
 from speceyes.tiny import build_tiny_model
+from speceyes.types import Query
+
+COLORS = {"red": (220, 40, 40), "green": (40, 180, 60), "blue": (40, 80, 220)}
+
+
+def make_queries(n: int, seed: int = 0) -> list[Query]:
+    """One coloured square per 640x480 image, asked about in three-way multiple choice."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        img = Image.new("RGB", (640, 480), (235, 230, 220))
+        color, s = rng.choice(list(COLORS)), rng.randint(24, 160)
+        x, y = rng.randint(0, 640 - s), rng.randint(0, 480 - s)
+        ImageDraw.Draw(img).rectangle((x, y, x + s, y + s), fill=COLORS[color])
+        opts = list(COLORS)
+        q = Query(id=f"q{i}", image=img, question="What color is the square?", options=opts,
+                  answer="ABC"[opts.index(color)])
+        out.append(q)
+    return out
 
 
 class Timed:
@@ -52,10 +73,7 @@ def main() -> None:
         small_dir = build_tiny_model(Path(d) / "s", "qwen3_vl", seed=1, lm_head_scale=8.0)
         large_dir = build_tiny_model(Path(d) / "l", "qwen2_5_vl", seed=2, lm_head_scale=20.0)
         small, large = Timed(HFBackend(small_dir)), Timed(HFBackend(large_dir))
-        queries = demo_queries(args.queries)
-        # Pre-load images so image decoding (a per-query cost of any system) is not in the figure.
-        for q in queries:
-            q.image = q.image.copy()
+        queries = make_queries(args.queries)  # images in memory: no decoding in the figure
         print(f"{args.queries} queries, batch {args.batch_size}, tiny Qwen3-VL small / Qwen2.5-VL large")
         print("| schedule | wall s | model s | overhead ms/query |")
         print("|---|---|---|---|")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -23,7 +24,11 @@ from pathlib import Path
 import numpy as np
 
 from speceyes.bench import regate as rg
-from speceyes.bench.runlog import SAMPLES_FILE, load_run, write_synthetic_run
+from speceyes.bench.runlog import SAMPLES_FILE, load_run
+
+# Its synthetic runs come from the test tools: run from a checkout (repo root on the path).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests.tools.synthetic_run import write_synthetic_run  # noqa: E402
 
 BUDGET_S = 2.0
 

@@ -303,8 +303,12 @@ def main() -> int:
     import torch
 
     from speceyes.images import to_data_uri
-    from speceyes.serve import ServerThread, create_app
+    from speceyes.serve import create_app
     from speceyes.types import Query
+
+    # The test tools' server thread: run from a checkout (repo root on the path).
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from tests.tools.server_thread import ServerThread
 
     print(
         f"config: n={args.n} concurrency={args.concurrency} mode={args.mode} tau={args.tau} "

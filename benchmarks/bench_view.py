@@ -11,14 +11,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 from PIL import Image, ImageDraw
 
-from speceyes.bench.runlog import SAMPLES_FILE, write_synthetic_run
+from speceyes.bench.runlog import SAMPLES_FILE
 from speceyes.view import build_view
+
+# Its synthetic run comes from the test tools: run from a checkout (repo root on the path).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests.tools.synthetic_run import write_synthetic_run  # noqa: E402
 
 
 def make_run(root: Path, n: int, images: int) -> Path:

@@ -496,10 +496,6 @@ def cmd_miniworld(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    if args.random_tiny:
-        from speceyes.demo import run_demo
-
-        return run_demo(args)
     from speceyes.miniworld.demo import run as run_miniworld_demo
 
     return run_miniworld_demo(args)
@@ -735,20 +731,10 @@ def build_parser() -> argparse.ArgumentParser:
         "it) plus accuracy per question category, and writes OUT/summary.md and summary.json. "
         "Settings (canvas, tau, aggregation, agent, test split) come from MODELS/manifest.json. "
         "Re-running resumes runs made with the same settings; runs made with other settings are "
-        "moved aside, never deleted. --random-tiny runs the older demo instead: random-weight "
-        "tiny models built locally, showing every phase and route (answers are noise).",
+        "moved aside, never deleted.",
         epilog=DEMO_EPILOG,
     )
     add_demo_args(demo)
-    tiny = demo.add_argument_group("--random-tiny (untrained end-to-end demo)")
-    tiny.add_argument(
-        "--random-tiny",
-        action="store_true",
-        help="run the untrained demo: tiny random-weight Qwen models built locally, a few "
-        "generated questions, every phase and route shown (answers are noise)",
-    )
-    tiny.add_argument("--cache", default=None, help="where the tiny models are built")
-    tiny.add_argument("--n", type=int, default=6, help="number of demo questions")
     demo.set_defaults(func=cmd_demo)
 
     srv = sub.add_parser(

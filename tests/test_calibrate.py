@@ -9,8 +9,9 @@ import pytest
 
 from speceyes.bench import calibrate as cb
 from speceyes.bench import regate as rg
-from speceyes.bench.runlog import load_run, write_synthetic_run
+from speceyes.bench.runlog import load_run
 from speceyes.bench.splits import parse_split, split_indices, subset_run
+from tests.tools.synthetic_run import write_synthetic_run
 
 # ------------------------------------------------------------------------------- binomial
 

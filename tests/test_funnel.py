@@ -61,8 +61,15 @@ def test_judge_routes_straight_to_agent(parts):
 
 
 def test_decode_judge_mode(parts):
+    from speceyes import prompts
+    from speceyes.backends.base import decode_rule_p_tool
+
     _, res = run(parts, judge_mode="decode")
-    assert all(r.p_tool in (0.0, 1.0) for r in res)
+    # The published rule on the large model's own greedy 10-token reply to the judge prompt.
+    msgs = [prompts.judge_messages(q.image, q.question, q.options) for q in queries()]
+    replies = parts[1].chat(msgs, max_new_tokens=10)
+    assert [r.p_tool for r in res] == [decode_rule_p_tool(t.text) for t in replies]
+    assert all(r.judge_tool == (r.p_tool >= 0.5) for r in res)
 
 
 def test_baseline_modes(parts):

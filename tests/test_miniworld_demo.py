@@ -192,12 +192,6 @@ def test_settings_defaults_and_errors(tmp_path):
     assert mwdemo.analytic_speedup(1.0, 0.1, 0.8, 0.2, 0.5) == pytest.approx(1 / (0.1 + 0.16 + 0.6))
 
 
-def test_random_tiny_demo_still_runs(tmp_path, capsys):
-    assert main(["demo", "--random-tiny", "--cache", str(tmp_path / "tiny"), "--n", "2"]) == 0
-    out = capsys.readouterr().out
-    assert "| mode | s/query | speedup vs agent |" in out and "| speceyes |" in out
-
-
 def test_bundled_models_load_and_answer_from_their_own_logits():
     """The shipped checkpoints: bf16 HF folders within the size budget, a valid manifest, and
     both load through HFBackend and answer a mini-world question with real top-K logits."""

@@ -82,7 +82,20 @@ def test_stages_run_save_and_resume(tmp_path):
     man = load_settings(tmp_path / "models" / "manifest.json")
     assert man.tau == 0.8 and man.agent.depth == 2 and list(man.canvas) == list(T.CANVAS)
     assert man.extra["trained_steps"] == {"small": 2, "large": 2}
-    assert T.load_backend(found["small"]).answer  # loads through HFBackend
+    # The bundled small model is the trained one in bfloat16 and answers through HFBackend.
+    import torch
+
+    from speceyes import prompts
+    from tests.conftest import make_scene
+
+    bundled = T.load_backend(found["small"])
+    for (name, got), (_, want) in zip(
+        bundled.model.state_dict().items(), be.model.state_dict().items(), strict=True
+    ):
+        assert torch.equal(got, want.to(torch.bfloat16).float()), name
+    msgs = prompts.small_messages(make_scene(), "What color is the square?")
+    (ans,) = bundled.answer([msgs], max_new_tokens=3, top_k=5)
+    assert ans.topk.shape == (len(ans.token_ids), 5) and torch.isfinite(torch.tensor(ans.topk)).all()
 
 
 def test_large_role_trains_judge_and_zoom_turns(tmp_path):

@@ -10,7 +10,8 @@ import pytest
 from PIL import Image
 
 from speceyes.bench import plots, report
-from speceyes.bench.runlog import load_run, write_synthetic_run
+from speceyes.bench.runlog import load_run
+from tests.tools.synthetic_run import write_synthetic_run
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

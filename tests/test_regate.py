@@ -14,8 +14,8 @@ from speceyes.bench.runlog import (
     RunLogError,
     TruncatedLogWarning,
     load_run,
-    write_synthetic_run,
 )
+from tests.tools.synthetic_run import write_synthetic_run
 
 
 @pytest.fixture(scope="module")

@@ -34,9 +34,10 @@ pytest.importorskip("aiohttp")
 from speceyes.agents.zoom import ZoomAgent  # noqa: E402
 from speceyes.funnel import Funnel, FunnelConfig  # noqa: E402
 from speceyes.images import to_data_uri  # noqa: E402
-from speceyes.serve import ServerThread, create_app  # noqa: E402
+from speceyes.serve import create_app  # noqa: E402
 from speceyes.types import Query  # noqa: E402
 from tests.conftest import make_scene  # noqa: E402
+from tests.tools.server_thread import ServerThread  # noqa: E402
 
 # Confidences of these tiny models on the scenes below sit around 0.81-0.85: this tau splits
 # them, so both the "small" and the "agent_after_gate" routes go through the server.
@@ -157,7 +158,7 @@ def metric(samples: dict, name: str, **labels: str) -> float:
 
 
 # ---- answers ------------------------------------------------------------------------------
-def test_answer_with_speceyes_extra_field(served):
+def test_answer_with_speceyes_extra_field(served, q3, q25):
     srv, _, _ = served
     with client(srv) as c:
         r = c.chat.completions.create(
@@ -174,8 +175,13 @@ def test_answer_with_speceyes_extra_field(served):
         extra["small_answer"] if extra["route"] == "small" else extra["agent_answer"]
     )
     assert {"judge", "small", "gate", "queue", "total"} <= set(extra["timings"])
-    assert extra["tool_calls"] >= 0 and extra["invalid_tool_calls"] >= 0
     assert r.usage is not None and r.model == "speceyes"
+    # The extra field is the funnel's own result for this query, run directly.
+    (d,) = make_funnel(q3, q25).run_batch(
+        [Query(id="0", image=scene_uri(0), question="What color is the box?", options=["red", "blue"])]
+    )
+    got = (extra["route"], extra["tool_calls"], extra["invalid_tool_calls"], extra["agent_answer"])
+    assert got == (d.route, d.tool_calls, d.invalid_tool_calls, d.agent_answer)
 
 
 def test_concurrent_requests_are_batched_and_equal_direct_run_batch(served, q3, q25):

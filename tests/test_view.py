@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 from PIL import Image, ImageStat
 
-from speceyes.bench.runlog import write_synthetic_run
 from speceyes.cli import main
 from speceyes.view import ViewError, build_view, write_view
 from tests.conftest import make_scene
+from tests.tools.synthetic_run import write_synthetic_run
 
 N_PER_CAT = 2
 CHUNK = 60  # cards the page renders before the reader scrolls (viewer.js)
