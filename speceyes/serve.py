@@ -52,7 +52,7 @@ import urllib.parse
 import uuid
 import warnings
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,6 +60,9 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from PIL import Image
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from speceyes import limits
 from speceyes.images import ImageError, _decode_data_uri, load_image
@@ -335,98 +338,69 @@ def resolve_image(url: str, allow_local_files: bool) -> str | Path:
 
 
 # ---- metrics ------------------------------------------------------------------------------
-class Histogram:
-    def __init__(self, buckets: Sequence[float]) -> None:
-        self.buckets = tuple(buckets)
-        self.counts = [0] * len(self.buckets)  # non-cumulative; summed on exposition
-        self.total = 0
-        self.sum = 0.0
-
-    def observe(self, value: float) -> None:
-        self.total += 1
-        self.sum += value
-        for k, b in enumerate(self.buckets):
-            if value <= b:
-                self.counts[k] += 1
-                break
-
-
-def _label(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def _num(x: float | None) -> str:
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return "NaN"
-    if isinstance(x, float) and math.isinf(x):
-        return "+Inf" if x > 0 else "-Inf"
-    return repr(float(x)) if isinstance(x, float) else str(x)
-
-
 class Metrics:
-    """Counters and histograms of the server; rendered in the Prometheus text format 0.0.4."""
+    """The server's counters and histograms (prometheus-client), in a registry of their own so
+    that several apps in one process never share a series."""
 
     def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "speceyes_requests", "Chat completion requests by HTTP status.", ["status"], registry=r
+        )
+        self.routes = Counter(
+            "speceyes_routes", "Answered queries by funnel route.", ["route"], registry=r
+        )
+        self.batch_errors = Counter(
+            "speceyes_batch_errors", "Funnel batches that raised.", registry=r
+        )
+        self.phases = Histogram(
+            "speceyes_phase_seconds",
+            "Funnel time per query and phase (a batch's phase time shared among its queries).",
+            ["phase"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.request_seconds = Histogram(
+            "speceyes_request_seconds",
+            "End-to-end latency of answered chat completion requests.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.batch_size = Histogram(
+            "speceyes_batch_size", "Queries per funnel batch.", buckets=BATCH_BUCKETS, registry=r
+        )
         # Known label values start at zero so that rates exist before the first event.
-        self.requests: dict[str, int] = dict.fromkeys(STATUSES, 0)
-        self.routes: dict[str, int] = dict.fromkeys(ROUTES, 0)
-        self.phases = {p: Histogram(LATENCY_BUCKETS) for p in PHASES}
-        self.request_seconds = Histogram(LATENCY_BUCKETS)
-        self.batch_size = Histogram(BATCH_BUCKETS)
-        self.batch_errors = 0
+        for status in STATUSES:
+            self.requests.labels(status=status)
+        for route in ROUTES:
+            self.routes.labels(route=route)
+        for phase in PHASES:
+            self.phases.labels(phase=phase)
 
     def render(
         self,
         gauges: dict[str, tuple[str, float | None]],
         counters: dict[str, tuple[str, float]] | None = None,
-    ) -> str:
-        out: list[str] = []
+    ) -> bytes:
+        """The text exposition: the stored series plus values read now (None is NaN)."""
+        now = CollectorRegistry()
+        now.register(_Snapshot(gauges, counters or {}))
+        return generate_latest(self.registry) + generate_latest(now)
 
-        def head(name: str, kind: str, help_: str) -> None:
-            out.append(f"# HELP {name} {help_}")
-            out.append(f"# TYPE {name} {kind}")
 
-        def hist(name: str, h: Histogram, labels: str = "") -> None:
-            sep = "," if labels else ""
-            cum = 0
-            for b, c in zip(h.buckets, h.counts, strict=True):
-                cum += c
-                out.append(f'{name}_bucket{{{labels}{sep}le="{_num(float(b))}"}} {cum}')
-            out.append(f'{name}_bucket{{{labels}{sep}le="+Inf"}} {h.total}')
-            lab = f"{{{labels}}}" if labels else ""
-            out.append(f"{name}_sum{lab} {_num(h.sum)}")
-            out.append(f"{name}_count{lab} {h.total}")
+class _Snapshot(Collector):
+    """Gauges and counters whose values the server holds elsewhere, read at scrape time."""
 
-        head("speceyes_requests_total", "counter", "Chat completion requests by HTTP status.")
-        for status, n in self.requests.items():
-            out.append(f'speceyes_requests_total{{status="{_label(status)}"}} {n}')
-        head("speceyes_routes_total", "counter", "Answered queries by funnel route.")
-        for route, n in self.routes.items():
-            out.append(f'speceyes_routes_total{{route="{_label(route)}"}} {n}')
-        head("speceyes_batch_errors_total", "counter", "Funnel batches that raised.")
-        out.append(f"speceyes_batch_errors_total {self.batch_errors}")
-        for name, (help_, value) in (counters or {}).items():
-            head(name, "counter", help_)
-            out.append(f"{name} {_num(value)}")
-        for name, (help_, value) in gauges.items():
-            head(name, "gauge", help_)
-            out.append(f"{name} {_num(value)}")
-        head(
-            "speceyes_phase_seconds",
-            "histogram",
-            "Funnel time per query and phase (a batch's phase time shared among its queries).",
-        )
-        for p, h in self.phases.items():
-            hist("speceyes_phase_seconds", h, f'phase="{p}"')
-        head(
-            "speceyes_request_seconds",
-            "histogram",
-            "End-to-end latency of answered chat completion requests.",
-        )
-        hist("speceyes_request_seconds", self.request_seconds)
-        head("speceyes_batch_size", "histogram", "Queries per funnel batch.")
-        hist("speceyes_batch_size", self.batch_size)
-        return "\n".join(out) + "\n"
+    def __init__(
+        self, gauges: dict[str, tuple[str, float | None]], counters: dict[str, tuple[str, float]]
+    ) -> None:
+        self.gauges, self.counters = gauges, counters
+
+    def collect(self) -> Iterator[Metric]:
+        for name, (help_, value) in self.counters.items():
+            yield CounterMetricFamily(name, help_, value=value)
+        for name, (help_, value) in self.gauges.items():
+            yield GaugeMetricFamily(name, help_, value=math.nan if value is None else value)
 
 
 # ---- images: pixels from the header before decoding ---------------------------------------
@@ -625,16 +599,16 @@ class ServerState:
         if item is None:
             return
         self._release(item)
-        self.metrics.routes[r.route] = self.metrics.routes.get(r.route, 0) + 1
+        self.metrics.routes.labels(route=r.route).inc()
         for p in PHASES:
             if p in r.timings:
-                self.metrics.phases[p].observe(r.timings[p])
+                self.metrics.phases.labels(phase=p).observe(r.timings[p])
         if not item.future.done():  # done: the request timed out or was cancelled
             item.future.set_result((r, item.batch_size, item.handed - item.enqueued))
 
     def _fail_pending(self, e: BaseException, count: bool = True) -> None:
         if count and self.pending:
-            self.metrics.batch_errors += 1
+            self.metrics.batch_errors.inc()
         items = list(self.pending.values())
         self.pending.clear()
         for item in items:
@@ -841,7 +815,7 @@ class ServerState:
 
     async def metrics_text(self, _request: web.Request) -> web.Response:
         stats = self.funnel.stats
-        text = self.metrics.render(
+        body = self.metrics.render(
             {
                 "speceyes_queue_depth": (
                     "Requests admitted and not yet in a batch.",
@@ -858,7 +832,7 @@ class ServerState:
             {"speceyes_funnel_queries_total": ("Queries the funnel has run.", stats.queries)},
         )
         return web.Response(
-            body=text.encode(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"}
+            body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"}
         )
 
     # ---- authentication, errors as OpenAI JSON, request counting --------------------------
@@ -898,7 +872,7 @@ class ServerState:
         resp.headers[REQUEST_ID_HEADER] = rid
         if request.path == CHAT_PATH:
             key = str(resp.status)
-            self.metrics.requests[key] = self.metrics.requests.get(key, 0) + 1
+            self.metrics.requests.labels(status=key).inc()
         return resp
 
 
