@@ -1,7 +1,7 @@
 """The cognitive gate: answer separability from the small model's own logits.
 
-Pure array code; knows nothing of models. Definitions follow the published implementation
-(DESIGN.md section 3): per generated token, with the top-K values z1 >= ... >= zK,
+Pure array code; knows nothing of models. Definitions follow the published implementation of
+SpecEyes (arXiv 2603.23483): per generated token, with the top-K values z1 >= ... >= zK,
 
     s = (z1 - mean(z2..zK)) / (std(z2..zK) + eps),   population std, eps = 1e-6
 

@@ -104,7 +104,7 @@ def test_accept_is_strict_and_rejects_missing():
     assert not gate.accept(0.98, 0.98)
     assert not gate.accept(float("nan"), 0.5)
     assert not gate.accept(None, 0.5)
-    # tau 0.98 means aggregate > 6.49 (DESIGN.md)
+    # tau 0.98 means aggregate > 6.49: sigmoid(0.6 * 6.49) = 0.98
     assert gate.confidence_from_aggregate(6.50) > 0.98 > gate.confidence_from_aggregate(6.48)
 
 

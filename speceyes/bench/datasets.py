@@ -1,6 +1,6 @@
 """Loaders for the evaluation benchmarks, each yielding :class:`speceyes.types.Query` lazily.
 
-Supported layouts (see DESIGN.md section 5):
+Supported layouts (the README's "Evaluating on the benchmarks" says how each is scored):
 
 * **V\\* Bench** (``craigwu/vstar_bench``): ``direct_attributes/`` and ``relative_position/``
   folders of ``name.jpg`` + ``name.json``. The first option is correct in the published files, so

@@ -2,7 +2,7 @@
 
 A ``both`` run logs, for every query, the judge decision, the small answer with its top-K logits
 and the agent answer, so the funnel's routing can be replayed for any gate setting without a
-model. Routing (DESIGN.md section 1): judge says tools -> agent ("agent_after_judge"); else accept
+model. Routing (the SpecEyes funnel, arXiv 2603.23483): judge says tools -> agent ("agent_after_judge"); else accept
 the small answer iff confidence > tau ("small"), else agent ("agent_after_gate").
 
 Timing model: judge time of every query, plus the small model's time on the queries judged
@@ -157,7 +157,7 @@ def phase_times(run: Run) -> PhaseTimes:
 def analytic_latency(
     c_judge: float, c_small: float, l_agent: float, beta: float, alpha: float | np.ndarray
 ) -> float | np.ndarray:
-    """E[L] = c_J + beta*c_S + (1 - beta*alpha)*L_agent (DESIGN.md section 1); arrays broadcast.
+    """E[L] = c_J + beta*c_S + (1 - beta*alpha)*L_agent (arXiv 2603.23483); arrays broadcast.
 
     A NaN alpha (nobody judged tool-free) counts as 0 accepted.
     """

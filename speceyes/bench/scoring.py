@@ -1,6 +1,6 @@
 """Deterministic answer parsing and benchmark metrics (no LLM judge).
 
-Parsing rules (DESIGN.md section 5):
+Parsing rules (the README's "Fair data handling" and "What is exact" sections):
 
 * Multiple choice: parse the *chosen* letter ("B", "(B)", "B. red", "The answer is B", the option
   text...). A letter merely occurring somewhere in the text never counts (the loose-matching bug
