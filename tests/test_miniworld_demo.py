@@ -17,7 +17,8 @@ from speceyes.miniworld import demo as mwdemo
 
 SPLITS = ("small-targets", "large-targets")
 MODES = ("agent", "small", "speceyes")
-CATEGORIES = ("attribute", "relative_position", "pope_random", "pope_popular", "pope_adversarial")
+# Level 1 (the demo's default world) has no relative-position question.
+CATEGORIES = ("attribute", "pope_random", "pope_popular", "pope_adversarial")
 MANIFEST = {
     "tau": 0.5,
     "agent": {"depth": 1},  # kind, grid and answer_prompt from the defaults
@@ -71,7 +72,8 @@ def test_run_folders_are_eval_runs(demo_run):
 
 def test_table_rows_and_columns(demo_run):
     md = (demo_run / "summary.md").read_text()
-    lines = [x for x in md.splitlines() if x.startswith("|")]
+    main_table = md.split("\n\n")[0]  # the targets table follows after a blank line
+    lines = [x for x in main_table.splitlines() if x.startswith("|")]
     head = [c.strip() for c in lines[0].strip("|").split("|")]
     assert head[0] == "questions"
     for lab in ("agent-only", "small-only", "SpecEyes"):
@@ -94,7 +96,38 @@ def test_table_rows_and_columns(demo_run):
         s["settings"]["agent"]["grid"] == 2 and s["settings"]["agent"]["answer_prompt"] == "small"
     )
     assert s["settings"]["extra"]["training"] == MANIFEST["training"]
-    assert s["split"]["n_scenes"] == 2
+    assert s["split"]["n_scenes"] == 2 and s["split"]["level"] == 1
+
+
+def test_checks_targets_plot_and_viewer(demo_run):
+    from speceyes.bench.runner import read_logged
+    from speceyes.miniworld.targets import gate_auroc, judge_routing
+
+    s = json.loads((demo_run / "summary.json").read_text())
+    small = [
+        r
+        for split in ("small-targets", "large-targets")
+        for r in read_logged(demo_run / "runs" / split / "small" / "samples.jsonl")
+    ]
+    assert s["gate_auroc"] == {"run": "small", **gate_auroc(small)}
+    spec = [
+        r
+        for split in ("small-targets", "large-targets")
+        for r in read_logged(demo_run / "runs" / split / "speceyes" / "samples.jsonl")
+    ]
+    assert s["judge_routing"] == judge_routing(spec)
+    assert s["judge_routing"]["small"]["n"] + s["judge_routing"]["large"]["n"] == len(spec)
+    curve = s["accuracy_vs_tau"]
+    assert len(curve["tau"]) == len(curve["accuracy"]) == len(curve["small_share"])
+    names = [t["target"] for t in s["targets"]]
+    assert any("AUROC" in n for n in names) and any("judge" in n for n in names)
+    md = (demo_run / "summary.md").read_text()
+    assert "| target | measured | verdict |" in md and "Judge routing:" in md
+    from PIL import Image
+
+    with Image.open(demo_run / "demo.png") as im:
+        assert im.width > 600 and im.height > 300
+    assert (demo_run / "view" / "index.html").is_file()
 
 
 def test_speedups_follow_from_measured_times(demo_run):

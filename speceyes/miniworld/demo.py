@@ -47,12 +47,11 @@ IDENTITY = "demo.json"  # per run folder: what the run's results depend on beyon
 TRAIN_HINT = (
     "Train and export them with `speceyes miniworld train --out runs/mw --role small|large "
     "--stage A|B|eval ...` (see docs/miniworld-training.md), then copy the exported folders to "
-    "{dir}/small and {dir}/large; or point --models at a folder holding small/ and large/. "
-    "`speceyes demo --random-tiny` runs the untrained end-to-end demo without them."
+    "{dir}/small and {dir}/large; or point --models at a folder holding small/ and large/."
 )
 EPILOG = (
     "MODELS/manifest.json (written by the trainer; every key optional): "
-    '{"canvas": [1024, 1024], "tau": 0.9, "agg": "min", "agent": {"kind": "search", "depth": 3, '
+    '{"level": 1, "canvas": [1024, 1024], "tau": 0.9, "agg": "min", "agent": {"kind": "search", "depth": 3, '
     '"grid": 2, "answer_prompt": "small"}, "test": {"seed": 0, "scenes": 40, '
     '"small_fraction": 0.5}}; agent kind "zoom" runs the DeepEyes zoom-tool loop instead of the '
     "search agent; other keys (training metadata) are carried into summary.json. "
@@ -548,6 +547,19 @@ def checks(out: Path, modes: list[str], tau: float, summary: dict[str, Any]) -> 
     return extra
 
 
+def _write_viewer(out: Path, modes: list[str]) -> Path | None:
+    """The runs as one static HTML report (``speceyes view``); a failure here never costs the
+    demo its results, so it is reported and skipped."""
+    from speceyes.view import write_view
+
+    runs = [out / RUNS_DIR / split / mode for split, _ in SPLITS for mode in modes]
+    try:
+        return write_view(runs, out / "view")
+    except Exception as e:  # noqa: BLE001 - the report is an extra; the results are written
+        print(f"viewer: not written ({type(e).__name__}: {e})")
+        return None
+
+
 def format_checks(summary: dict[str, Any]) -> str:
     lines = []
     au = summary.get("gate_auroc")
@@ -770,6 +782,9 @@ def run(args: argparse.Namespace) -> int:
     (out / "summary.md").write_text(table, encoding="utf-8")
     if summary.get("plot"):
         print(f"plot: {summary['plot']}")
+    view = _write_viewer(out, modes)
+    if view is not None:
+        print(f"viewer: {view} (open it in a browser; no server needed)")
     tmp = out / "summary.json.tmp"
     tmp.write_text(json.dumps(summary, indent=2), encoding="utf-8")
     os.replace(tmp, out / "summary.json")
