@@ -20,6 +20,20 @@ Two schedules give the same results for the same inputs under greedy decoding:
 ``overlap`` runs phase II on the whole batch at the same time as phase I (the small model's
 answers for queries the judge sends to tools are then discarded), which hides the small model's
 latency behind the judge when the two models live on different devices or servers.
+
+``judge`` picks who answers phase I (:data:`JUDGES`; docs/throughput.md measures them):
+
+- ``large`` (default): the published judge, the large model on its judge prompt and image;
+  ``judge_max_pixels`` shows it a smaller view of the image (a judge view budget).
+- ``prefix``: the large model, with the judge question asked as one more user turn after the
+  agent's own first-turn prompt (system prompt, image, question), byte-identical to what the
+  agent then sends, so a server with prefix caching (vLLM ``--enable-prefix-caching``, on by
+  default in its V1 engine; SGLang's radix cache, on unless ``--disable-radix-cache``) serves
+  the agent's first turn from the judge's cached prefill.
+- ``small``: the small model on the judge prompt (``judge_max_pixels`` applies too).
+- ``small-prefix``: the small model, the judge question asked after its own answer prompt, once
+  the answer is done, so a prefix-caching server prefills the image once for both.
+- ``none``: no judge; the small model answers every query and the gate alone decides.
 """
 
 from __future__ import annotations
@@ -35,16 +49,20 @@ from typing import Any, Literal, Protocol
 
 import numpy as np
 
-from speceyes import gate, protocols
+from speceyes import gate, prompts, protocols
 from speceyes.agents.base import AgentOutcome
 from speceyes.backends.base import Backend, BackendError, JudgeMode
-from speceyes.images import load_image
+from speceyes.images import load_image, resize_for_model
 from speceyes.types import Query, Result
 
 Mode = Literal["speceyes", "agent", "small", "both", "specreason"]
 MODES: tuple[str, ...] = ("speceyes", "agent", "small", "both", "specreason")
 AGENT_ONLY_MODES = ("agent", "specreason")  # every query runs the (given) agent
 SCHEDULES: tuple[str, ...] = ("batched", "pipelined")
+JUDGES: tuple[str, ...] = ("large", "prefix", "small", "small-prefix", "none")
+# The judge question as one more user turn after a shared prefix: the published judge's
+# instructions and question (prompts.JUDGE_SYSTEM, prompts.JUDGE_SUFFIX) as one text.
+PREFIX_JUDGE_TEXT = prompts.JUDGE_SYSTEM + prompts.JUDGE_SUFFIX.lstrip("\n")
 
 
 class AgentLoop(Protocol):
@@ -71,6 +89,8 @@ class FunnelConfig:
     alpha: float = gate.DEFAULT_ALPHA
     judge_mode: JudgeMode = "logit"
     judge_threshold: float = 0.5  # tool iff P(tool) >= threshold; 0.5 equals greedy yes-vs-no
+    judge: str = "large"  # who answers phase I: see JUDGES and the module docstring
+    judge_max_pixels: int | None = None  # large/small judge: the image shown at most this big
     batch_size: int = 8
     max_new_tokens: int = 20
     schedule: Literal["batched", "pipelined"] = "batched"
@@ -92,6 +112,16 @@ class FunnelConfig:
             raise ValueError("top_k must be at least 2")
         if self.batch_size < 1 or self.max_agent_loops < 1:
             raise ValueError("batch_size and max_agent_loops must be at least 1")
+        if self.judge not in JUDGES:
+            raise ValueError(f"unknown judge {self.judge!r}; choose from {', '.join(JUDGES)}")
+        if self.judge_max_pixels is not None:
+            if self.judge not in ("large", "small"):
+                raise ValueError(
+                    f"a judge view budget applies to the large and small judges, not "
+                    f"{self.judge!r} (a prefix-shared judge must see the prompt's own image)"
+                )
+            if self.judge_max_pixels < 4 * 28 * 28:
+                raise ValueError(f"judge_max_pixels must be >= {4 * 28 * 28}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -143,6 +173,11 @@ class Funnel:
             raise ValueError(f"mode {mode!r} needs the small model")
         self.small, self.large, self.agent = small, large, agent
         self._family = protocols.family_of(getattr(agent, "name", None), self.config.protocol)
+        if self.config.judge == "prefix" and getattr(agent, "name", None) == "thyme":
+            raise ValueError(
+                "--judge prefix: the Thyme agent's first prompt names a per-run sandbox file, "
+                "so no judge can share it; use large, small, small-prefix or none"
+            )
         self.stats = FunnelStats()
         self._stats_lock = threading.Lock()
 
@@ -205,7 +240,14 @@ class Funnel:
 
         # Phase II runs on every query in "both" mode, and with overlap it runs beside phase I.
         small_all = cfg.mode == "both" or cfg.overlap
-        if small_all and cfg.overlap and idx:
+        if cfg.judge == "none":
+            to_small = self._no_judge(live, results)
+            self._phase_small(live, to_small, results)
+        elif cfg.judge == "small-prefix":
+            # The answer first: its prompt is then cached for the judge question that follows.
+            self._phase_small(live, idx, results)
+            to_small = self._phase_judge(live, results)
+        elif small_all and cfg.overlap and idx:
             with ThreadPoolExecutor(2) as pool:
                 judged = pool.submit(self._phase_judge, live, results)
                 self._phase_small(live, idx, results)
@@ -213,7 +255,7 @@ class Funnel:
         else:
             to_small = self._phase_judge(live, results)
             self._phase_small(live, idx if small_all else to_small, results)
-        if cfg.mode == "speceyes" and cfg.overlap:
+        if cfg.mode == "speceyes" and (cfg.overlap or cfg.judge == "small-prefix"):
             free = set(to_small)
             for i in idx:  # discard answers the judge did not ask for: same results as sequential
                 if i not in free:
@@ -238,16 +280,14 @@ class Funnel:
         idx = list(live)
         if not idx:
             return []
-        build = partial(protocols.judge_messages, cfg.protocol, self._family)
+        backend, build = self._judge_setup()
         idx, msgs = self._messages(build, live, idx, results)
         if not idx:
             return []
         t0 = time.perf_counter()
         try:
             p_tools = _per_query(
-                lambda m: protocols.judge(
-                    self.large, m, cfg.protocol, cfg.judge_mode, self._family
-                ),
+                lambda m: protocols.judge(backend, m, cfg.protocol, cfg.judge_mode, self._family),
                 msgs,
             )
         except BackendError as e:
@@ -271,6 +311,40 @@ class Funnel:
         with self._stats_lock:
             self.stats.judged += len(idx)
         return to_small
+
+    def _judge_setup(self) -> tuple[Backend, Callable[..., list[dict]]]:
+        """Phase I's model and prompt builder ``(image, question, options) -> messages`` for
+        the configured judge variant."""
+        cfg = self.config
+        if cfg.judge == "prefix":
+            return self.large, self._prefix_judge_messages
+        if cfg.judge == "small-prefix":
+            answer = partial(protocols.small_messages, cfg.protocol, self._family)
+            return self.small, lambda image, q, opts: [*answer(image, q, opts), _judge_turn()]
+        backend = self.small if cfg.judge == "small" else self.large
+        build = partial(protocols.judge_messages, cfg.protocol, self._family)
+        if cfg.judge_max_pixels is None:
+            return backend, build
+        budget = cfg.judge_max_pixels
+        return backend, lambda image, q, opts: build(_judge_view(image, backend, budget), q, opts)
+
+    def _prefix_judge_messages(self, image: Any, question: str, options: Any) -> list[dict]:
+        """The agent's own first-turn messages, then the judge question as a user turn."""
+        loop = self.agent.start_loop(Query(id="judge", image=image, question=question,
+                                           options=options))
+        first = getattr(loop, "messages", None)
+        if first is None:  # the search agent scores crops first; its answer turn is DeepEyes'
+            first = prompts.deepeyes_messages(image, question, options)
+        return [*first, _judge_turn()]
+
+    def _no_judge(self, live: dict[int, Query], results: dict[int, Result]) -> list[int]:
+        """``judge="none"``: every live query goes to the small model and the gate."""
+        idx = list(live)
+        for i in idx:
+            results[i].judge_tool = False
+        with self._stats_lock:
+            self.stats.judged += len(idx)
+        return idx
 
     def _phase_small(
         self, live: dict[int, Query], idx: Sequence[int], results: dict[int, Result]
@@ -496,6 +570,18 @@ class Funnel:
                     threads[0].join(0.05)
             agent_q.put(done)
             threads[1].join(timeout=600)
+
+
+def _judge_turn() -> dict:
+    return {"role": "user", "content": [prompts.text_part(PREFIX_JUDGE_TEXT)]}
+
+
+def _judge_view(image: Any, backend: Backend, max_pixels: int) -> Any:
+    """The image at most ``max_pixels`` big, resized as ``backend``'s model would (its factor),
+    so the backend's own resize leaves it as it is."""
+    lo = min(backend.min_pixels, max_pixels)
+    view, _ = resize_for_model(load_image(image, copy=False), backend.factor, lo, max_pixels)
+    return view
 
 
 def _per_query(call: Callable[[list], Sequence[Any]], items: list) -> list[Any]:

@@ -779,6 +779,7 @@ class ServerState:
                 "status": "closing" if self.closing else "ok",
                 "model": self.model_name,
                 "mode": self.funnel.config.mode,
+                "judge": self.funnel.config.judge,
                 "tau": self.funnel.config.tau,
                 "queue": self.admitted,
                 "max_queue": self.max_queue,
@@ -987,8 +988,8 @@ def serve(
             for url in _urls(runner):
                 say(f"speceyes serve: listening on {url}  (POST {url}{CHAT_PATH})")
             say(
-                f"model {state.model_name!r}, mode {cfg.mode}, schedule {cfg.schedule}, "
-                f"tau {cfg.tau}, batch {state.batch_size}, max wait {state.max_wait * 1e3:g} ms, "
+                f"model {state.model_name!r}, mode {cfg.mode}, judge {cfg.judge}, schedule "
+                f"{cfg.schedule}, tau {cfg.tau}, batch {state.batch_size}, max wait {state.max_wait * 1e3:g} ms, "
                 f"max queue {state.max_queue}, API key {'on' if state.api_key else 'off'}; "
                 "GET /health /v1/models /metrics; Ctrl-C to stop"
             )
