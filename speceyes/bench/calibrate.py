@@ -38,7 +38,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 import numpy as np
 
@@ -46,6 +46,7 @@ from speceyes import gate
 from speceyes.bench import regate as rg
 from speceyes.bench.runlog import Run
 from speceyes.bench.splits import Split, split_run
+from speceyes.funnel import JUDGES
 
 METHOD_MAX_ERROR = "ltt-fixed-sequence-clopper-pearson"
 METHOD_RELATIVE = "ltt-fixed-sequence-empirical-bernstein"
@@ -53,7 +54,7 @@ METHODS = (METHOD_MAX_ERROR, METHOD_RELATIVE)
 _EXACT_MAX = 20_000  # accepted counts up to which the n-needed estimate uses exact p-values
 MIN_RATE_COUNT = 20  # accepted answers below which an observed error rate is not extrapolated
 NO_TAU = 1.0  # confidence > 1.0 never holds: accept nothing
-FORMAT_VERSION = 2  # 2: records the setup (models, agent, judge) and held-out numbers
+FORMAT_VERSION = 3  # 2: the setup (models, agent, judge mode) and held-out numbers; 3: the judge
 
 _log_fact = np.zeros(1)  # log(i!) for i = 0..len-1, grown on demand
 
@@ -157,6 +158,14 @@ def candidate_taus(conf: np.ndarray, n_grid: int = 200) -> np.ndarray:
     return np.unique(np.append(qs, 0.0))[::-1]
 
 
+class CandidateOptions(TypedDict, total=False):
+    """Which taus ``ltt_scan`` tests and where the sequence starts (its keyword arguments)."""
+
+    taus: Sequence[float] | np.ndarray | None
+    n_grid: int
+    start_rate: float
+
+
 @dataclass(frozen=True)
 class LttScan:
     """Every candidate's counts and p-value, most conservative candidate first."""
@@ -173,6 +182,7 @@ def ltt_scan(
     wrong: np.ndarray,
     max_error: float,
     delta: float,
+    *,
     taus: Sequence[float] | np.ndarray | None = None,
     n_grid: int = 200,
     start_rate: float = 0.5,
@@ -201,17 +211,16 @@ def ltt_max_error(
     wrong: np.ndarray,
     max_error: float,
     delta: float,
-    taus: Sequence[float] | np.ndarray | None = None,
-    n_grid: int = 200,
-    start_rate: float = 0.5,
+    **candidates: Unpack[CandidateOptions],
 ) -> LttResult:
     """Largest-acceptance tau whose error among accepted (conf > tau) is <= max_error w.p. 1-delta.
 
     ``conf``/``wrong`` cover the queries the gate decides on (judged tool-free); NaN confidence
-    is never accepted. Testing starts at the first candidate accepting at least
-    ``min_accepted(max_error, delta, start_rate)`` samples (a count, never a label).
+    is never accepted. ``candidates`` are ``ltt_scan``'s: testing starts at the first candidate
+    accepting at least ``min_accepted(max_error, delta, start_rate)`` samples (a count, never a
+    label).
     """
-    scan = ltt_scan(conf, wrong, max_error, delta, taus, n_grid, start_rate)
+    scan = ltt_scan(conf, wrong, max_error, delta, **candidates)
     best, tested = fixed_sequence_choice(scan, delta)
     n = int(np.sum(np.isfinite(conf)))
     if best < 0:
@@ -230,7 +239,6 @@ def choose_in_family(results: Sequence[LttResult]) -> int:
     return max(passing, key=lambda i: results[i].n_accepted) if passing else -1
 
 
-@functools.lru_cache(maxsize=4096)
 @functools.lru_cache(maxsize=4096)
 def _cdf_row(n: int, p: float) -> np.ndarray:
     """P(Bin(n, p) <= k) for k = 0..n, as one cumulative sum of exact pmf terms."""
@@ -360,9 +368,9 @@ def _check_delta(delta: float) -> None:
 class Calibration:
     """A calibrated gate setting, written as JSON for ``eval``/``serve --calibration FILE``.
 
-    It records the setup it is valid for (models, agent, judge mode and threshold) besides the
-    gate (tau, top-K, aggregation, sigmoid scale); ``eval``/``serve`` apply all of it and refuse
-    other models (``check_setup``). ``expected_*`` are measured on the calibration queries;
+    It records the setup it is valid for (models, agent, judge variant, view, mode and threshold)
+    besides the gate (tau, top-K, aggregation, sigmoid scale); ``eval``/``serve`` apply the gate
+    and judge mode and refuse other models, agents or judges (``check_setup``). ``expected_*`` are measured on the calibration queries;
     ``held_out`` on queries the test never saw.
     """
 
@@ -389,6 +397,8 @@ class Calibration:
     agent: str | None = None
     judge_mode: str | None = None
     judge_threshold: float | None = None
+    judge: str = "large"  # the judge variant (funnel.JUDGES) of the calibrated runs
+    judge_max_pixels: int | None = None  # their judge view budget; None: the full image
     family: list[dict[str, Any]] = field(default_factory=list)  # every (K, agg) tested
     split: str | None = None  # e.g. "50:50 (seed 0)", or None for the whole run
     holdout: str | None = None  # run folder measured as the held-out part
@@ -480,7 +490,13 @@ def calibrate(
             # Unknown correctness (errors) among eligible answers counts as wrong: conservative.
             wrong = ~rg.known_correct(calib_run.small_correct[eligible])
             res = ltt_max_error(
-                conf[eligible], wrong, max_error, family_delta, taus, n_grid, start_rate
+                conf[eligible],
+                wrong,
+                max_error,
+                family_delta,
+                taus=taus,
+                n_grid=n_grid,
+                start_rate=start_rate,
             )
         members.append(FamilyMember(g.top_k, g.agg, res))
     chosen = members[max(choose_in_family([m.result for m in members]), 0)]
@@ -523,6 +539,7 @@ def calibrate(
         agent=cfg.get("agent"),
         judge_mode=cfg.get("judge_mode"),
         judge_threshold=cfg.get("judge_threshold"),
+        **_judge_setup(cfg),
         family=[
             {
                 "top_k": m.top_k,
@@ -551,11 +568,24 @@ def _as_list(x: Any) -> list:
     return out
 
 
+def _judge_setup(config: dict[str, Any]) -> dict[str, Any]:
+    """The judge variant and view a run was made with; runs from before the variants had the
+    large judge on the full image."""
+    return {
+        "judge": config.get("judge") or "large",
+        "judge_max_pixels": config.get("judge_max_pixels"),
+    }
+
+
 def _check_holdout(run: Run, holdout: Run) -> None:
     """The held-out run must come from the same setup and share no query with the calibration."""
+    setup_a, setup_b = _judge_setup(run.config), _judge_setup(holdout.config)
     for key in ("models", "agent", "judge_mode", "judge_threshold"):
-        a, b = run.config.get(key), holdout.config.get(key)
-        if a is not None and b is not None and a != b:
+        setup_a[key], setup_b[key] = run.config.get(key), holdout.config.get(key)
+    for key, a in setup_a.items():
+        b = setup_b[key]
+        # An unrecorded setting is not compared; the judge always is (None is the full view).
+        if a != b and (key in ("judge", "judge_max_pixels") or (a is not None and b is not None)):
             raise ValueError(
                 f"holdout {holdout.path} was made with another {key} ({b!r}, calibration run "
                 f"{a!r}): its numbers would not describe this calibration"
@@ -705,6 +735,10 @@ def format_calibration(cal: Calibration) -> str:
             f"tau = {cal.tau:.6f}  K={cal.top_k} agg={cal.agg} sigmoid scale={cal.alpha:g}; "
             f"bound {cal.bound:.4f} on {cal.n_accepted} accepted ({cal.method})"
         )
+        lines.append(
+            f"valid with {_judge_words(cal.judge, cal.judge_max_pixels)} (eval/serve refuse "
+            "another judge)"
+        )
         share = "-" if cal.expected_acceptance is None else f"{cal.expected_acceptance:.3f}"
         speed = "-" if cal.expected_speedup is None else f"{cal.expected_speedup:.2f}x"
         lines.append(f"on the calibration queries: acceptance {share}, speedup {speed}")
@@ -768,8 +802,21 @@ def _same_model(recorded: str | None, given: str | None) -> bool:
     return a.exists() and b.exists() and a.resolve() == b.resolve()
 
 
-def check_setup(cal: Calibration, small: str | None, large: str | None, agent: str | None) -> None:
-    """Raise a clear error unless the calibration was made for these models and this agent."""
+def _judge_words(judge: str, max_pixels: int | None) -> str:
+    view = "the full image" if max_pixels is None else f"--judge-max-pixels {max_pixels}"
+    return f"--judge {judge} on {view}"
+
+
+def check_setup(
+    cal: Calibration,
+    small: str | None,
+    large: str | None,
+    agent: str | None,
+    judge: str = "large",
+    judge_max_pixels: int | None = None,
+) -> None:
+    """Raise a clear error unless the calibration was made for these models, this agent and this
+    judge variant and view (the defaults are the funnel's: the large judge on the full image)."""
     where = f" (calibration from {cal.source})" if cal.source else ""
     if not cal.passed:
         raise ValueError(
@@ -792,6 +839,15 @@ def check_setup(cal: Calibration, small: str | None, large: str | None, agent: s
     if cal.agent and agent and cal.agent != agent:
         raise ValueError(
             f"the calibration file was made with --agent {cal.agent}, not {agent}{where}"
+        )
+    # The judge decides which queries reach the gate, so the accepted set, and the error rate
+    # the guarantee bounds, changes with the judge and with the view it is shown.
+    if (cal.judge, cal.judge_max_pixels) != (judge, judge_max_pixels):
+        raise ValueError(
+            f"the calibration file was made with {_judge_words(cal.judge, cal.judge_max_pixels)}, "
+            f"not {_judge_words(judge, judge_max_pixels)}{where}: the guarantee holds only for "
+            "the judge it was calibrated with; pass the same judge options, or calibrate on a "
+            "run made with these"
         )
 
 
@@ -830,9 +886,19 @@ def read_calibration(path: str | Path) -> Calibration:
     judge_mode = data.get("judge_mode")
     if judge_mode is not None and judge_mode not in ("logit", "decode"):
         raise ValueError(f"{path}: unknown judge_mode {judge_mode!r}")
+    judge = data.get("judge") or "large"  # files before version 3: the large judge
+    if judge not in JUDGES:
+        raise ValueError(f"{path}: unknown judge {judge!r}; one of {', '.join(JUDGES)}")
+    judge_max_pixels = data.get("judge_max_pixels")
+    if judge_max_pixels is not None and (
+        isinstance(judge_max_pixels, bool)
+        or not isinstance(judge_max_pixels, int)
+        or judge_max_pixels <= 0
+    ):
+        raise ValueError(f"{path}: judge_max_pixels must be a positive integer or null")
     known = set(Calibration.__dataclass_fields__)
     values = {k: v for k, v in data.items() if k in known}
-    values.update(tau=tau, top_k=top_k, agg=agg)
+    values.update(tau=tau, top_k=top_k, agg=agg, judge=judge)
     values["alpha"] = float(values.get("alpha") or gate.DEFAULT_ALPHA)
     if values.get("judge_threshold") is not None:
         values["judge_threshold"] = float(values["judge_threshold"])
