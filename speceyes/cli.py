@@ -511,7 +511,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def cmd_miniworld(args: argparse.Namespace) -> int:
-    from speceyes.miniworld.scenes import main as scenes_main
+    from speceyes.miniworld.splits import main as scenes_main
 
     return scenes_main(args.rest)
 
@@ -909,7 +909,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return int(position_probe_main(argv[2:]) or 0)
     if argv[:1] == ["miniworld"]:
-        from speceyes.miniworld.scenes import main as scenes_main
+        from speceyes.miniworld.splits import main as scenes_main
 
         return int(scenes_main(argv[1:]) or 0)
     args = build_parser().parse_args(argv)

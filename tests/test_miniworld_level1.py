@@ -13,7 +13,8 @@ from speceyes.miniworld.level1 import (
     level1_rng,
     level1_sides,
 )
-from speceyes.miniworld.scenes import COLORS, PALETTE, SHAPES, load_pool, make_split
+from speceyes.miniworld.splits import make_split
+from speceyes.miniworld.sprites import COLORS, PALETTE, SHAPES, load_pool
 from speceyes.miniworld.targets import (
     accuracy_vs_tau,
     auroc,

@@ -7,12 +7,12 @@ import pytest
 pytest.importorskip("easy_vqa")
 
 from speceyes.miniworld import probe  # noqa: E402
-from speceyes.miniworld import train as T  # noqa: E402
+from speceyes.miniworld import tinymodel as M  # noqa: E402
 
 
 def test_probe_reports_p_yes_per_depth_and_kind(tmp_path, capsys):
-    base = T.build_base(tmp_path, "small", T.TINY, 0)
-    table = probe.cell_existence(T.load_backend(base), scenes=1)
+    base = M.build_base(tmp_path, "small", M.TINY, 0)
+    table = probe.cell_existence(M.load_backend(base), scenes=1)
     depths = {k.split("/")[0] for k in table}
     kinds = {k.split("/")[1] for k in table}
     assert depths == {"depth 1", "depth 2"}  # the scene's small object has a depth-1 cell

@@ -17,6 +17,7 @@ pytest.importorskip("easy_vqa")
 from speceyes.bench.datasets import load_jsonl  # noqa: E402
 from speceyes.images import smart_resize  # noqa: E402
 from speceyes.miniworld import scenes as mw  # noqa: E402
+from speceyes.miniworld import splits, sprites  # noqa: E402
 
 LOW_RES = 448 * 448
 PAIR = r"(red|green|blue|yellow|black|gray|teal|brown) (circle|rectangle|triangle)"
@@ -29,14 +30,14 @@ def _rows(split_dir: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def test_split(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("mw") / "test"
-    mw.make_split(out, split="test", n_scenes=8, seed=3)
+    splits.make_split(out, split="test", n_scenes=8, seed=3)
     return out
 
 
 @pytest.fixture(scope="module")
 def train_split(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("mw") / "train"
-    mw.make_split(out, split="train", n_scenes=4, seed=3)
+    splits.make_split(out, split="train", n_scenes=4, seed=3)
     return out
 
 
@@ -54,7 +55,7 @@ def _center_x(bbox: list[int]) -> float:
 
 def test_determinism(tmp_path, test_split):
     again = tmp_path / "again"
-    mw.make_split(again, split="test", n_scenes=8, seed=3)
+    splits.make_split(again, split="test", n_scenes=8, seed=3)
     assert (again / "questions.jsonl").read_bytes() == (test_split / "questions.jsonl").read_bytes()
     assert (again / "manifest.json").read_bytes() == (test_split / "manifest.json").read_bytes()
     names = sorted(p.name for p in (test_split / "images").iterdir())
@@ -64,15 +65,15 @@ def test_determinism(tmp_path, test_split):
         b = np.asarray(Image.open(again / "images" / name))
         assert np.array_equal(a, b), name
     other = tmp_path / "other"
-    mw.make_split(other, split="test", n_scenes=2, seed=4)
+    splits.make_split(other, split="test", n_scenes=2, seed=4)
     assert (other / "questions.jsonl").read_text() != (test_split / "questions.jsonl").read_text()
 
 
 def test_splits_use_disjoint_easy_vqa_images(tmp_path, test_split, train_split):
     val = tmp_path / "val"
-    mw.make_split(val, split="val", n_scenes=2, seed=3)
-    train_paths = set(mw.load_pool("train").paths.values())
-    test_paths = set(mw.load_pool("test").paths.values())
+    splits.make_split(val, split="val", n_scenes=2, seed=3)
+    train_paths = set(sprites.load_pool("train").paths.values())
+    test_paths = set(sprites.load_pool("test").paths.values())
     assert train_paths and test_paths and not train_paths & test_paths
     for split_dir, prefix in ((test_split, "test/"), (train_split, "train/"), (val, "train/")):
         sources = {o["source"] for r in _rows(split_dir) for o in r["objects"]}
@@ -93,13 +94,13 @@ def test_answers_correct_by_construction_and_unique(test_split):
             assert len(r["options"]) == len(set(r["options"]))
             if m := re.fullmatch(r"What shape is the (\w+) object\?", q):
                 (obj,) = _matching(objs, color=m.group(1))  # the asked colour is unique
-                assert sorted(r["options"]) == sorted(mw.SHAPES)
+                assert sorted(r["options"]) == sorted(sprites.SHAPES)
                 assert chosen == obj["shape"]
             else:
                 m = re.fullmatch(r"What is the color of the (\w+)\?", q)
                 assert m, q
                 (obj,) = _matching(objs, shape=m.group(1))  # the asked shape is unique
-                assert len(r["options"]) == 4 and set(r["options"]) <= set(mw.COLORS)
+                assert len(r["options"]) == 4 and set(r["options"]) <= set(sprites.COLORS)
                 assert chosen == obj["color"]
             assert r["target_bbox"] == obj["bbox"] and r["target_size"] == obj["size"]
         elif r["category"] == "relative_position":
@@ -132,7 +133,7 @@ def test_no_overlaps_and_untinted_colours(test_split):
         assert img.shape == (h, w, 3)
         for o in r["objects"]:
             x1, y1, x2, y2 = o["bbox"]
-            exact = (img[y1:y2, x1:x2] == mw.PALETTE[o["color"]]).all(-1)
+            exact = (img[y1:y2, x1:x2] == sprites.PALETTE[o["color"]]).all(-1)
             assert exact.mean() > 0.1, o  # the shape is drawn in its exact palette colour
 
 
@@ -237,9 +238,9 @@ def test_pope_negatives_follow_their_definitions(test_split):
 
 
 def test_popular_pairs_are_the_most_frequent():
-    weight = {p: mw.COLOR_WEIGHTS[p[0]] * mw.SHAPE_WEIGHTS[p[1]] for p in mw.ALL_PAIRS}
+    weight = {p: mw.COLOR_WEIGHTS[p[0]] * mw.SHAPE_WEIGHTS[p[1]] for p in sprites.ALL_PAIRS}
     floor = min(weight[p] for p in mw.POPULAR_PAIRS)
-    assert all(weight[p] <= floor for p in mw.ALL_PAIRS if p not in mw.POPULAR_PAIRS)
+    assert all(weight[p] <= floor for p in sprites.ALL_PAIRS if p not in mw.POPULAR_PAIRS)
 
 
 def test_manifest_counts_half_small_half_large(test_split):
@@ -262,7 +263,7 @@ def test_qa_label_derivation():
         "is a rectangle present?",
     ]
     answers = ["rectangle", "no", "no", "green", "no"]
-    labels = mw._qa_labels(texts, answers, [0, 1, 2, 3, 3])
+    labels = sprites._qa_labels(texts, answers, [0, 1, 2, 3, 3])
     assert labels[0] == ("blue", "rectangle")
     assert labels[1] == ("red", None)  # "not red" + "no" -> red; the shape is left open
     assert labels[2] == (None, None)
@@ -270,14 +271,14 @@ def test_qa_label_derivation():
 
 
 def test_qa_labels_match_pixels_on_a_sample():
-    stats = mw.verify_labels("test", limit=120)
+    stats = sprites.verify_labels("test", limit=120)
     assert stats["color_checked"] > 100 and stats["shape_checked"] > 100
     assert stats["color_agree"] == stats["color_checked"]
     assert stats["shape_agree"] == stats["shape_checked"]
 
 
 def test_clutter_scene_and_small_canvas():
-    pool = mw.load_pool("train")
+    pool = sprites.load_pool("train")
     scene = mw.generate_scene(
         random.Random(5), pool, canvas=(1024, 1024), regime="small", clutter=2
     )
@@ -286,7 +287,7 @@ def test_clutter_scene_and_small_canvas():
     assert len(scene.questions) == 8
     for o in scene.objects:
         x1, y1, x2, y2 = o.bbox
-        assert (img[y1:y2, x1:x2] == mw.PALETTE[o.color]).all(-1).any()
+        assert (img[y1:y2, x1:x2] == sprites.PALETTE[o.color]).all(-1).any()
     small = [o for o in scene.objects if o.size == "small"]
     assert small and all(o.side * _view_scale(1024, 1024) < 12 for o in small)
     with pytest.raises(ValueError):
@@ -294,11 +295,11 @@ def test_clutter_scene_and_small_canvas():
 
 
 def test_cli(tmp_path, capsys):
-    assert mw.main(["--out", str(tmp_path / "cli"), "--split", "val", "--scenes", "2"]) == 0
+    assert splits.main(["--out", str(tmp_path / "cli"), "--split", "val", "--scenes", "2"]) == 0
     assert "16 questions" in capsys.readouterr().out
     assert len(_rows(tmp_path / "cli")) == 16
     with pytest.raises(SystemExit) as e:
-        mw.main(["--help"])
+        splits.main(["--help"])
     assert e.value.code == 0
     assert "zoom" in capsys.readouterr().out
 
@@ -306,17 +307,17 @@ def test_cli(tmp_path, capsys):
 def test_scaled_sprites_keep_size_and_shape():
     """Scaling hits the requested visible side (+-2 px), and large renders keep their shape's
     fill ratio (the pixel shape classifier still recognises them)."""
-    pool = mw.load_pool("test")
+    pool = sprites.load_pool("test")
     rng = random.Random(0)
-    for pair in mw.ALL_PAIRS:
+    for pair in sprites.ALL_PAIRS:
         ids = pool.by_pair[pair]
-        sprites = [pool.sprite(ids[rng.randrange(len(ids))]) for _ in range(3)]
-        for sp in (s for s in sprites if s is not None):
+        picked = [pool.sprite(ids[rng.randrange(len(ids))]) for _ in range(3)]
+        for sp in (s for s in picked if s is not None):
             for side in (16, 32, 200, 400):
-                alpha = mw._scaled_alpha(sp, side)
-                assert abs(mw._visible_side(alpha) - side) <= 2, (sp.source, side)
+                alpha = sprites.scaled_alpha(sp, side)
+                assert abs(sprites._visible_side(alpha) - side) <= 2, (sp.source, side)
                 if side >= 200:
                     mask = alpha >= 0.5
                     ys, xs = np.nonzero(mask)
                     fill = mask.sum() / ((np.ptp(ys) + 1) * (np.ptp(xs) + 1))
-                    assert mw._fill_shape(float(fill)) == sp.shape, (sp.source, side)
+                    assert sprites._fill_shape(float(fill)) == sp.shape, (sp.source, side)

@@ -13,7 +13,10 @@ import pytest
 
 pytest.importorskip("easy_vqa")
 
+from speceyes.miniworld import bundle as B  # noqa: E402
+from speceyes.miniworld import tinymodel as M  # noqa: E402
 from speceyes.miniworld import train as T  # noqa: E402
+from speceyes.miniworld import traindata as D  # noqa: E402
 
 
 def _log(role_dir):
@@ -43,7 +46,7 @@ def test_stages_run_save_and_resume(tmp_path):
     small = tmp_path / "small"
     a = ["--stage", "A", "--object-view", "64", "--val-n", "4", "--sprite-limit", "24"]
     _run(tmp_path, *a, "--max-steps", "2")
-    assert T.load_ckpt(small / "stage_A" / "ckpt.pt")["step"] == 2
+    assert M.load_ckpt(small / "stage_A" / "ckpt.pt")["step"] == 2
     _run(tmp_path, *a, "--max-steps", "3", "--resume")
     log = _log(small)
     steps = [r for r in log if r.get("stage") == "A" and "loss" in r]
@@ -57,12 +60,12 @@ def test_stages_run_save_and_resume(tmp_path):
     assert any(r.get("event") == "init_from" for r in log)  # B starts from A's weights
     b = [r for r in log if r.get("stage") == "B" and "loss" in r]
     assert len(b) == 2 and all(math.isfinite(r["loss"]) for r in b)
-    assert T.load_ckpt(small / "stage_B" / "ckpt.pt")["step"] == 2
+    assert M.load_ckpt(small / "stage_B" / "ckpt.pt")["step"] == 2
 
     # The export is a real checkpoint folder: HFBackend loads it and answers.
-    dest = T.export(small, "B", tmp_path / "export")
-    be = T.load_backend(dest)
-    assert be.family == "qwen3_vl" and be.max_pixels == T.VIEW_PIXELS["small"]
+    dest = B.export(small, "B", tmp_path / "export")
+    be = M.load_backend(dest)
+    assert be.family == "qwen3_vl" and be.max_pixels == M.VIEW_PIXELS["small"]
 
     # The bundle: both roles in bfloat16 plus the demo's manifest, loadable by the demo.
     from speceyes.miniworld.demo import find_models, load_settings
@@ -80,7 +83,7 @@ def test_stages_run_save_and_resume(tmp_path):
     cfg = json.loads((found["large"] / "config.json").read_text())
     assert cfg.get("dtype", cfg.get("torch_dtype")) == "bfloat16"
     man = load_settings(tmp_path / "models" / "manifest.json")
-    assert man.tau == 0.8 and man.agent.depth == 2 and list(man.canvas) == list(T.CANVAS)
+    assert man.tau == 0.8 and man.agent.depth == 2 and list(man.canvas) == list(D.CANVAS)
     assert man.extra["trained_steps"] == {"small": 2, "large": 2}
     # The bundled small model is the trained one in bfloat16 and answers through HFBackend.
     import torch
@@ -88,7 +91,7 @@ def test_stages_run_save_and_resume(tmp_path):
     from speceyes import prompts
     from tests.conftest import make_scene
 
-    bundled = T.load_backend(found["small"])
+    bundled = M.load_backend(found["small"])
     for (name, got), (_, want) in zip(
         bundled.model.state_dict().items(), be.model.state_dict().items(), strict=True
     ):
@@ -110,8 +113,8 @@ def test_large_role_trains_judge_and_zoom_turns(tmp_path):
     assert math.isfinite(rec["loss"]) and math.isfinite(rec["aux"])
     # Per scene question: the small prompt on the view, the judge, a DeepEyes answer; zoom
     # crops add the small prompt on the crop and the tool call, and the answer moves after it.
-    be = T.load_backend(tmp_path / "large" / "base")
-    rows = T.make_questions("train", 0, 2, be, crops=True)
+    be = M.load_backend(tmp_path / "large" / "base")
+    rows = D.make_questions("train", 0, 2, be, crops=True)
     scene_q = [r for r in rows if r["category"] != "zoom"]
     with_crop = [r for r in scene_q if r.get("crop") is not None]
     zoom = len(rows) - len(scene_q)
@@ -120,7 +123,7 @@ def test_large_role_trains_judge_and_zoom_turns(tmp_path):
     judge = [
         e
         for r in scene_q
-        for e in T.examples_for(r, "large", False)
+        for e in D.examples_for(r, "large", False)
         if "tools" in e[0][0]["content"] and "reliab" in e[0][0]["content"]
     ]
     assert [e[1] for e in judge] == [
@@ -129,17 +132,17 @@ def test_large_role_trains_judge_and_zoom_turns(tmp_path):
 
 
 def test_answer_labels_cover_only_the_answer(tmp_path):
-    base = T.build_base(tmp_path, "small", T.TINY, 0)
-    be = T.load_backend(base)
-    rows = T.make_questions("train", 0, 1, be, crops=False)
-    pairs = [p for r in rows[:2] for p in T.examples_for(r, "small", False)]
-    inputs = T.batch_inputs(be, pairs)
+    base = M.build_base(tmp_path, "small", M.TINY, 0)
+    be = M.load_backend(base)
+    rows = D.make_questions("train", 0, 1, be, crops=False)
+    pairs = [p for r in rows[:2] for p in D.examples_for(r, "small", False)]
+    inputs = D.batch_inputs(be, pairs)
     for b, (_, ans, _) in enumerate(pairs):
         lab = [t for t in inputs["labels"][b].tolist() if t != -100]
         assert be.tokenizer.decode(lab) == ans + "<|im_end|>"
     # Answers are words (the option's text), never a letter; each one a single token.
-    assert {p[1] for p in pairs} <= {*T.COLORS_AND_SHAPES, "left", "right", "yes", "no"}
-    for word in (*T.COLORS_AND_SHAPES, "yes", "no", "left", "right"):
+    assert {p[1] for p in pairs} <= {*D.COLORS_AND_SHAPES, "left", "right", "yes", "no"}
+    for word in (*D.COLORS_AND_SHAPES, "yes", "no", "left", "right"):
         assert len(be.tokenizer(word, add_special_tokens=False)["input_ids"]) == 1
 
 
@@ -149,7 +152,7 @@ def test_token_labels_mark_the_cells_under_each_object():
     grid = torch.tensor([[1, 8, 8]])  # 4 x 4 merged tokens of 28 px
     # A red (0) circle (0) over cells (0..1, 0..1); a tiny blue (2) triangle (2) in cell (3, 3).
     lay = [(0, 0, 56, 56, 0, 0), (90, 90, 100, 100, 2, 2)]
-    yc, ys = T.token_labels([lay], grid, 28)
+    yc, ys = D.token_labels([lay], grid, 28)
     yc, ys = yc.view(4, 4), ys.view(4, 4)
     assert yc[:2, :2].eq(0).all() and ys[:2, :2].eq(0).all()
     assert yc[3, 3] == 2 and ys[3, 3] == 2  # half of a small object counts
@@ -161,12 +164,12 @@ def test_zoom_questions_answer_from_what_the_crop_shows(tmp_path):
 
     from speceyes.miniworld.scenes import generate_scene, load_pool, scene_rng
 
-    be = T.load_backend(T.build_base(tmp_path, "small", T.TINY, 0))
+    be = M.load_backend(M.build_base(tmp_path, "small", M.TINY, 0))
     pool = load_pool("train")
     n = 0
     for i in range(4):
-        scene = generate_scene(scene_rng("train", 0, i), pool, canvas=T.CANVAS, regime="small")
-        for r in T.zoom_questions(scene, random.Random(i), be, n_crops=3):
+        scene = generate_scene(scene_rng("train", 0, i), pool, canvas=D.CANVAS, regime="small")
+        for r in D.zoom_questions(scene, random.Random(i), be, n_crops=3):
             assert r["view"].size == (224, 224)
             shown = [
                 o for o in r["objs"] if o[0] >= -1 and o[1] >= -1 and o[2] <= 225 and o[3] <= 225
@@ -177,12 +180,12 @@ def test_zoom_questions_answer_from_what_the_crop_shows(tmp_path):
                 ok = [
                     o
                     for o in r["objs"]
-                    if all(w in ("object", T.name_of(o)[0], T.name_of(o)[1]) for w in words)
+                    if all(w in ("object", D.name_of(o)[0], D.name_of(o)[1]) for w in words)
                 ]
                 assert ok, q  # the object asked about is in the crop's layout
             if q.startswith("What shape is the "):
                 color = q.split()[4]
-                assert [T.name_of(o)[1] for o in shown if T.name_of(o)[0] == color] == [a]
+                assert [D.name_of(o)[1] for o in shown if D.name_of(o)[0] == color] == [a]
             n += 1
     assert n > 20
 
@@ -193,18 +196,18 @@ def test_search_cell_questions_answer_what_each_cell_shows(tmp_path):
     from speceyes.agents.search import grid_boxes
     from speceyes.miniworld.scenes import generate_scene, load_pool, scene_rng
 
-    be = T.load_backend(T.build_base(tmp_path, "small", T.TINY, 0))
+    be = M.load_backend(M.build_base(tmp_path, "small", M.TINY, 0))
     pool = load_pool("train")
     answers, near = [], 0
     for i in range(3):
-        scene = generate_scene(scene_rng("train", 0, i), pool, canvas=T.CANVAS, regime="small")
-        rows = T.search_cell_questions(scene, random.Random(i), be, cells=3, near_misses=2)
-        level1 = [tuple(round(v) for v in c) for c in grid_boxes((0, 0, *T.CANVAS), 3, 0.25)]
+        scene = generate_scene(scene_rng("train", 0, i), pool, canvas=D.CANVAS, regime="small")
+        rows = D.search_cell_questions(scene, random.Random(i), be, cells=3, near_misses=2)
+        level1 = [tuple(round(v) for v in c) for c in grid_boxes((0, 0, *D.CANVAS), 3, 0.25)]
         for r in rows:
             w, h = r["view"].size
             assert r["options"] is None
             words = r["question"][len("Is there a ") : -len(" in the image?")].split()
-            named = [o for o in r["objs"] if all(x in ("object", *T.name_of(o)) for x in words)]
+            named = [o for o in r["objs"] if all(x in ("object", *D.name_of(o)) for x in words)]
             # Crop pixels: shown means the centre is in the crop; touching means any overlap.
             centred = [
                 o for o in named if 0 <= (o[0] + o[2]) / 2 < w and 0 <= (o[1] + o[3]) / 2 < h
@@ -215,7 +218,7 @@ def test_search_cell_questions_answer_what_each_cell_shows(tmp_path):
             else:
                 assert r["answer_text"] == "no" and not touching, r["question"]
                 shown = [
-                    T.name_of(o)
+                    D.name_of(o)
                     for o in r["objs"]
                     if 0 <= (o[0] + o[2]) / 2 < w and 0 <= (o[1] + o[3]) / 2 < h
                 ]
@@ -224,19 +227,19 @@ def test_search_cell_questions_answer_what_each_cell_shows(tmp_path):
             answers.append(r["answer_text"])
         # Both depths: depth-1 cells are grid cells of the canvas, depth-2 ones are smaller.
         zooms = sorted({r["zoom"] for r in rows})
-        assert zooms[0] == round(T.CANVAS[0] / (level1[0][2] - level1[0][0]), 2)
+        assert zooms[0] == round(D.CANVAS[0] / (level1[0][2] - level1[0][0]), 2)
         assert len(zooms) >= 2
     assert "yes" in answers and "no" in answers
     # Near misses (pairs one attribute away from an object the cell shows) come on top of the
     # plain questions: the same scenes and seeds without them give 6+ fewer.
     plain = 0
     for i in range(3):
-        scene = generate_scene(scene_rng("train", 0, i), pool, canvas=T.CANVAS, regime="small")
-        for r in T.search_cell_questions(scene, random.Random(i), be, cells=3):
+        scene = generate_scene(scene_rng("train", 0, i), pool, canvas=D.CANVAS, regime="small")
+        for r in D.search_cell_questions(scene, random.Random(i), be, cells=3):
             words = r["question"][len("Is there a ") : -len(" in the image?")].split()
             w, h = r["view"].size
             shown = [
-                T.name_of(o)
+                D.name_of(o)
                 for o in r["objs"]
                 if 0 <= (o[0] + o[2]) / 2 < w and 0 <= (o[1] + o[3]) / 2 < h
             ]
@@ -248,13 +251,13 @@ def test_search_cell_questions_answer_what_each_cell_shows(tmp_path):
 def test_packed_conversations_label_every_answer(tmp_path):
     import random
 
-    be = T.load_backend(T.build_base(tmp_path, "small", T.TINY, 0))
-    rows = T.make_questions("train", 0, 1, be, crops=True)
-    examples = [e for r in rows for e in T.examples_for(r, "small", False)]
-    packed = T.pack_examples(examples, 4, random.Random(0))
+    be = M.load_backend(M.build_base(tmp_path, "small", M.TINY, 0))
+    rows = D.make_questions("train", 0, 1, be, crops=True)
+    examples = [e for r in rows for e in D.examples_for(r, "small", False)]
+    packed = D.pack_examples(examples, 4, random.Random(0))
     # Every question is kept exactly once, at most 4 per conversation, one image each.
     assert sum(1 + sum(m["role"] == "assistant" for m in p[0]) for p in packed) == len(examples)
-    inputs = T.batch_inputs(be, packed)
+    inputs = D.batch_inputs(be, packed)
     for b, p in enumerate(packed):
         answers = [m["content"] for m in p[0] if m["role"] == "assistant"] + [p[1]]
         assert len(answers) <= 4
@@ -270,11 +273,11 @@ def test_search_cell_elsewhere_caps_the_plain_negatives(tmp_path):
 
     from speceyes.miniworld.scenes import generate_scene, load_pool, scene_rng
 
-    be = T.load_backend(T.build_base(tmp_path, "small", T.TINY, 0))
-    scene = generate_scene(scene_rng("train", 0, 1), load_pool("train"), T.CANVAS, "small")
+    be = M.load_backend(M.build_base(tmp_path, "small", M.TINY, 0))
+    scene = generate_scene(scene_rng("train", 0, 1), load_pool("train"), D.CANVAS, "small")
 
     def per_cell(**kw):
-        rows = T.search_cell_questions(scene, random.Random(1), be, cells=3, **kw)
+        rows = D.search_cell_questions(scene, random.Random(1), be, cells=3, **kw)
         return Counter((id(r["view"]), r["answer_text"]) for r in rows)
 
     default, none, one = per_cell(), per_cell(elsewhere=0), per_cell(elsewhere=1)
@@ -291,14 +294,14 @@ def test_init_from_carries_the_auxiliary_heads(tmp_path):
 
     _run(tmp_path / "a", "--stage", "B", "--scenes", "1", "--max-steps", "1")
     src_path = tmp_path / "a" / "small" / "stage_B" / "ckpt.pt"
-    src = T.load_ckpt(src_path)
+    src = M.load_ckpt(src_path)
     _run(
         tmp_path / "b",
         *("--stage", "B", "--scenes", "1", "--max-steps", "0", "--init-from", str(src_path)),
     )
     (init,) = [r for r in _log(tmp_path / "b" / "small") if r.get("event") == "init_from"]
     assert init["heads"] == ["aux"] and init["tensors"] == len(src["model"])
-    got = T.load_ckpt(tmp_path / "b" / "small" / "stage_B" / "ckpt.pt")
+    got = M.load_ckpt(tmp_path / "b" / "small" / "stage_B" / "ckpt.pt")
     assert got["aux"].keys() == src["aux"].keys()
     for k, v in src["aux"].items():
         assert torch.equal(got["aux"][k], v)

@@ -34,7 +34,10 @@ def __getattr__(name: str) -> Any:
     # Lazy on purpose: an eager import would make `python -m speceyes.miniworld.scenes` warn that
     # the module was already in sys.modules before running as __main__.
     if name in __all__:
-        from speceyes.miniworld import scenes
+        import importlib
 
-        return getattr(scenes, name)
+        for module in ("scenes", "sprites", "splits"):
+            mod = importlib.import_module(f"speceyes.miniworld.{module}")
+            if hasattr(mod, name):
+                return getattr(mod, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

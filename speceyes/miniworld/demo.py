@@ -193,7 +193,7 @@ def fingerprint(folder: Path) -> str:
 def build_standin_models(dest: Path, seed: int = 0, size: Any = None) -> Path:
     """Random tiny Qwen2.5-VL stand-ins in ``dest/small`` and ``dest/large`` (the bundled
     models' layout and view budget), for development and tests before real weights exist."""
-    from speceyes.miniworld import train
+    from speceyes.miniworld import tinymodel as train
 
     dest = Path(dest)
     work = dest / ".build"
@@ -235,7 +235,7 @@ def subset_path(data: Path, size: str) -> Path:
 def ensure_split(data: Path, key: dict[str, Any]) -> tuple[dict[str, Any], bool]:
     """The test split in ``data`` with its per-size subsets; reused when its manifest matches
     ``key`` (returns ``(manifest, reused)``), else generated afresh."""
-    from speceyes.miniworld.scenes import make_split
+    from speceyes.miniworld.splits import make_split
 
     man_path = data / "manifest.json"
     if man_path.is_file() and (data / "questions.jsonl").is_file():

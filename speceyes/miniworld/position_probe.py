@@ -105,7 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     import torch
 
-    from speceyes.miniworld.train import load_backend
+    from speceyes.miniworld.tinymodel import load_backend
 
     torch.set_num_threads(args.threads)
     backend = load_backend(args.model)

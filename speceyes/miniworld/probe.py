@@ -33,7 +33,7 @@ def cell_existence(backend, scenes: int = 20, seed: int = 0) -> dict[str, dict]:
     validation scenes (``share_yes``: P(yes) > 0.5, what a greedy answer says)."""
     from speceyes import prompts
     from speceyes.agents.search import grid_boxes
-    from speceyes.miniworld import train as T
+    from speceyes.miniworld import traindata as T
     from speceyes.miniworld.scenes import COLORS, SHAPES, generate_scene, load_pool, scene_rng
 
     pool = load_pool("train")
@@ -58,7 +58,7 @@ def cell_existence(backend, scenes: int = 20, seed: int = 0) -> dict[str, dict]:
                 asked += [(p, "no-elsewhere") for p in sorted(in_scene - pairs - cut)]
                 asked += [
                     (p, "no-near")
-                    for p in T._near_misses(shown, partial, rng, 2)
+                    for p in T.near_miss_pairs(shown, partial, rng, 2)
                     if p not in in_scene
                 ]
                 far = [p for p in absent if all(p[0] != c and p[1] != s for c, s in pairs)]
@@ -69,7 +69,7 @@ def cell_existence(backend, scenes: int = 20, seed: int = 0) -> dict[str, dict]:
             p = np.asarray(backend.next_token_probs(msgs, ["yes", "no"]), dtype=np.float64)
             for key, v in zip(keys, p[:, 0] / np.maximum(p.sum(1), 1e-30), strict=True):
                 got[key].append(float(v))
-            home = [c for c in level if T._inside(anchor, c, 1.0)]
+            home = [c for c in level if T.inside_crop(anchor, c, 1.0)]
             if not home:
                 break
             region = home[0]
@@ -98,7 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     import torch
 
-    from speceyes.miniworld.train import load_backend
+    from speceyes.miniworld.tinymodel import load_backend
 
     torch.set_num_threads(args.threads)
     table = cell_existence(load_backend(args.model), args.scenes, args.seed)

@@ -1,0 +1,206 @@
+"""The mini-world's tiny models: their sizes and families, building a base folder (tokenizer,
+processor, random weights), loading one as an ``HFBackend``, the stage-A head, checkpoints and
+the training event log."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from speceyes.miniworld.scenes import COLORS, SHAPES
+
+ROLES = ("small", "large")
+# Small = Qwen3-VL (the SpecEyes small model is Qwen3-VL-2B; its 16-px patches and full vision
+# attention are also the cheaper tower on CPU). Large = Qwen2.5-VL (DeepEyes is Qwen2.5-VL-7B and
+# speaks absolute-pixel boxes).
+FAMILY = {"small": "qwen3_vl", "large": "qwen2_5_vl"}
+# The model's view budget: low enough for CPU training (49 image tokens at 224x224).
+VIEW_PIXELS = {"small": 224 * 224, "large": 224 * 224}
+
+
+@dataclass
+class ModelSize:
+    text_hidden: int = 256
+    text_layers: int = 4
+    vision_hidden: int = 128
+    vision_depth: int = 3
+
+
+TINY = ModelSize(text_hidden=64, text_layers=2, vision_hidden=32, vision_depth=2)
+
+
+def log_event(out: Path, rec: dict[str, Any]) -> None:
+    """Print one JSON line and append it to ``out/log.jsonl`` (a run's event log)."""
+    rec = {"time": round(time.time(), 1), **rec}
+    line = json.dumps(rec)
+    print(line, flush=True)
+    with open(out / "log.jsonl", "a") as f:
+        f.write(line + "\n")
+
+
+def domain_corpus() -> list[str]:
+    """Mini-world text for the tokenizer, so colour, shape and answer words are single tokens
+    (with and without a leading space), as they are in a real vocabulary."""
+
+    words = [*COLORS, *SHAPES, "left", "right", "yes", "no"]
+    lines = [
+        "What shape is the red object? What is the color of the triangle? Is there a green "
+        "circle in the image? Is the red circle on the left or the right side of the blue "
+        "triangle?",
+        " ".join(words),
+        "\n".join(words),
+        " ".join(f"<answer>{w}</answer>" for w in words),
+    ]
+    return lines * 60
+
+
+def build_base(
+    role_dir: Path,
+    role: str,
+    size: ModelSize,
+    seed: int,
+    family: str | None = None,
+    from_folder: Path | None = None,
+) -> Path:
+    """A fresh random checkpoint of the role's family with its view budget, in role_dir/base;
+    or, with ``from_folder`` (a save_pretrained model such as a bundled one), a copy of it, so a
+    stage can start from the weights the repository ships when no run folder is left."""
+    from speceyes.tiny import build_tiny_model
+
+    base = role_dir / "base"
+    if (base / "config.json").is_file():
+        return base
+    if from_folder is not None:
+        tmp = role_dir / ".base.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(from_folder, tmp)
+        os.replace(tmp, base)
+        return base
+    build_tiny_model(
+        base,
+        family or FAMILY[role],
+        text_hidden=size.text_hidden,
+        text_layers=size.text_layers,
+        vision_hidden=size.vision_hidden,
+        vision_depth=size.vision_depth,
+        seed=seed,
+        extra_corpus=domain_corpus(),
+        vocab_size=720,
+    )
+    # The view budget lives in the image processor config, as in a real checkpoint.
+    cfg_path = base / "preprocessor_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    factor = cfg["patch_size"] * cfg["merge_size"]
+    cfg["max_pixels"] = VIEW_PIXELS[role]
+    cfg["min_pixels"] = 4 * factor * factor
+    cfg["size"] = {"shortest_edge": 4 * factor * factor, "longest_edge": VIEW_PIXELS[role]}
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+    return base
+
+
+def load_backend(folder: Path):
+    from speceyes.backends.hf import HFBackend
+
+    return HFBackend(folder, dtype="float32")
+
+
+class Head:
+    """Temporary heads (shape, colour) on attention-pooled merged vision tokens.
+
+    A learned query scores every merged token; the softmax-weighted sum is classified. Mean
+    pooling learned colour but left shape at chance (the object is a few of many tokens).
+    """
+
+    def __init__(self, dim: int, seed: int) -> None:
+        import torch
+
+        g = torch.Generator().manual_seed(seed)
+        self.query = torch.nn.Linear(dim, 2, bias=False)  # one pooling query per task
+        self.shape = torch.nn.Linear(dim, 3)
+        self.color = torch.nn.Linear(dim, 8)
+        with torch.no_grad():
+            for lin in (self.query, self.shape, self.color):
+                lin.weight.normal_(0, 0.02, generator=g)
+                if lin.bias is not None:
+                    lin.bias.zero_()
+        self.modules = {"query": self.query, "shape": self.shape, "color": self.color}
+
+    def parameters(self):
+        return [p for m in self.modules.values() for p in m.parameters()]
+
+    def state_dict(self):
+        return {k: m.state_dict() for k, m in self.modules.items()}
+
+    def load_state_dict(self, sd):
+        for k, m in self.modules.items():
+            m.load_state_dict(sd[k])
+
+    def __call__(self, tokens: list):
+        """Per-image token tensors [n_i, dim] -> (shape logits, colour logits)."""
+        import torch
+
+        pooled = []
+        for t in tokens:
+            w = torch.softmax(self.query(t), dim=0)  # [n_i, 2]
+            pooled.append(w.T @ t)  # [2, dim]
+        p = torch.stack(pooled)
+        return self.shape(p[:, 0]), self.color(p[:, 1])
+
+
+def vision_tokens(backend, pixel_values, grid) -> list:
+    """Each image's merged vision tokens (what the language model sees): list of [n_i, dim]."""
+    import torch
+
+    out = backend.model.model.get_image_features(pixel_values, grid)
+    feats = out.pooler_output if hasattr(out, "pooler_output") else out
+    if isinstance(feats, (list, tuple)):
+        feats = torch.cat(list(feats), 0)
+    counts = (grid.prod(-1) // backend.merge**2).tolist()
+    return list(torch.split(feats, counts))
+
+
+def rng_state() -> dict:
+    import torch
+
+    return {"py": random.getstate(), "np": np.random.get_state(), "torch": torch.get_rng_state()}
+
+
+def set_rng_state(s: dict) -> None:
+    import torch
+
+    random.setstate(s["py"])
+    np.random.set_state(s["np"])
+    torch.set_rng_state(s["torch"])
+
+
+def save_ckpt(path: Path, backend, head: Head | None, opt, step: int, extra: dict) -> None:
+    import torch
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save(
+        {
+            "model": backend.model.state_dict(),
+            "head": head.state_dict() if head else None,
+            "opt": opt.state_dict(),
+            "step": step,
+            "rng": rng_state(),
+            **extra,
+        },
+        tmp,
+    )
+    os.replace(tmp, path)
+
+
+def load_ckpt(path: Path):
+    import torch
+
+    return torch.load(path, map_location="cpu", weights_only=False)
