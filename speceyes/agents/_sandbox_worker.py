@@ -70,28 +70,43 @@ SIGKILL = 9
 # RLIMIT_AS does not count (SysV shm/msg/sem, memfd), and syscalls that could undo the
 # isolation or reach other processes. Numbers per architecture, from the kernel's tables.
 AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
-DENIED_SYSCALLS = {
-    "x86_64": {
-        "keyctl": 250, "add_key": 248, "request_key": 249,
-        "shmget": 29, "shmat": 30, "shmctl": 31, "msgget": 68, "semget": 64,
-        "memfd_create": 319, "memfd_secret": 447, "mq_open": 240, "userfaultfd": 323,
-        "ptrace": 101, "process_vm_readv": 310, "process_vm_writev": 311, "pidfd_getfd": 438,
-        "unshare": 272, "setns": 308, "mount": 165, "umount2": 166, "pivot_root": 155,
-        "chroot": 161, "open_tree": 428, "move_mount": 429, "fsopen": 430,
-        "bpf": 321, "perf_event_open": 298, "io_uring_setup": 425,
-        "kexec_load": 246, "init_module": 175, "finit_module": 313,
-    },
-    "aarch64": {
-        "keyctl": 219, "add_key": 217, "request_key": 218,
-        "shmget": 194, "shmat": 196, "shmctl": 195, "msgget": 186, "semget": 190,
-        "memfd_create": 279, "memfd_secret": 447, "mq_open": 180, "userfaultfd": 282,
-        "ptrace": 117, "process_vm_readv": 270, "process_vm_writev": 271, "pidfd_getfd": 438,
-        "unshare": 97, "setns": 268, "mount": 40, "umount2": 39, "pivot_root": 41,
-        "chroot": 51, "open_tree": 428, "move_mount": 429, "fsopen": 430,
-        "bpf": 280, "perf_event_open": 241, "io_uring_setup": 425,
-        "kexec_load": 104, "init_module": 105, "finit_module": 273,
-    },
+_DENIED = {  # name: (x86_64 number, aarch64 number)
+    "keyctl": (250, 219),
+    "add_key": (248, 217),
+    "request_key": (249, 218),
+    "shmget": (29, 194),
+    "shmat": (30, 196),
+    "shmctl": (31, 195),
+    "msgget": (68, 186),
+    "semget": (64, 190),
+    "memfd_create": (319, 279),
+    "memfd_secret": (447, 447),
+    "mq_open": (240, 180),
+    "userfaultfd": (323, 282),
+    "ptrace": (101, 117),
+    "process_vm_readv": (310, 270),
+    "process_vm_writev": (311, 271),
+    "pidfd_getfd": (438, 438),
+    "unshare": (272, 97),
+    "setns": (308, 268),
+    "mount": (165, 40),
+    "umount2": (166, 39),
+    "pivot_root": (155, 41),
+    "chroot": (161, 51),
+    "open_tree": (428, 428),
+    "move_mount": (429, 429),
+    "fsopen": (430, 430),
+    "bpf": (321, 280),
+    "perf_event_open": (298, 241),
+    "io_uring_setup": (425, 425),
+    "kexec_load": (246, 104),
+    "init_module": (175, 105),
+    "finit_module": (313, 273),
 }  # fmt: skip
+DENIED_SYSCALLS = {
+    arch: {name: numbers[i] for name, numbers in _DENIED.items()}
+    for i, arch in enumerate(("x86_64", "aarch64"))
+}
 X32_SYSCALL_BIT = 0x40000000  # x86_64's x32 ABI: a second numbering, denied as a whole
 
 CODE_FILENAME = "<sandbox>"
