@@ -16,6 +16,7 @@ ROUTE_TEXT = {
     "agent_after_gate": "agent (judged tool-free, rejected by the gate)",
     "agent_only": "agent (agent-only mode)",
     "small_only": "small model (small-only mode)",
+    "specreason": "agent (SpecReason: small-model steps scored by the large model)",
     "error": "error",
 }
 

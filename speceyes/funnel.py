@@ -53,6 +53,7 @@ from speceyes import gate, prompts, protocols
 from speceyes.agents.base import AgentOutcome
 from speceyes.backends.base import Backend, BackendError, JudgeMode
 from speceyes.images import load_image, resize_for_model
+from speceyes.rates import beta_alpha
 from speceyes.types import Query, Result
 
 Mode = Literal["speceyes", "agent", "small", "both", "specreason"]
@@ -139,11 +140,11 @@ class FunnelStats:
 
     @property
     def beta(self) -> float | None:
-        return self.tool_free / self.judged if self.judged else None
+        return beta_alpha(self.judged, self.tool_free, self.accepted)[0]
 
     @property
     def alpha(self) -> float | None:
-        return self.accepted / self.tool_free if self.tool_free else None
+        return beta_alpha(self.judged, self.tool_free, self.accepted)[1]
 
 
 @dataclass

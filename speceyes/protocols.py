@@ -30,6 +30,7 @@ from PIL import Image
 
 from speceyes import gate, prompts
 from speceyes.images import View, load_image
+from speceyes.limits import OPTION_LETTERS
 from speceyes.types import Query, SpecAnswer
 
 PROTOCOLS: tuple[str, ...] = ("fair", "published")
@@ -156,9 +157,9 @@ def published_thyme_question(
     """The question text Thyme's published eval gives the agent (``kind="yorn"``: POPE).
     Free-form questions (no published benchmark has them) keep Thyme's own VQA suffix."""
     if options:
-        if len(options) > len(prompts.OPTION_LETTERS):
-            raise ValueError(f"at most {len(prompts.OPTION_LETTERS)} options are supported")
-        lines = "\n".join(f"{prompts.OPTION_LETTERS[i]}. {o}" for i, o in enumerate(options))
+        if len(options) > len(OPTION_LETTERS):
+            raise ValueError(f"at most {len(OPTION_LETTERS)} options are supported")
+        lines = "\n".join(f"{OPTION_LETTERS[i]}. {o}" for i, o in enumerate(options))
         return PUBLISHED_THYME_MCQ.format(question=question, options=lines)
     if kind == "yorn":
         return PUBLISHED_THYME_YORN.format(question=question)

@@ -66,7 +66,7 @@ from prometheus_client.registry import Collector
 
 from speceyes import limits
 from speceyes.images import ImageError, _decode_data_uri, load_image
-from speceyes.types import Query, Result
+from speceyes.types import PHASES, ROUTES, Query, Result
 
 if TYPE_CHECKING:
     from speceyes.funnel import Funnel
@@ -74,15 +74,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 CHAT_PATH = "/v1/chat/completions"
-PHASES: tuple[str, ...] = ("judge", "small", "gate", "agent")
-ROUTES: tuple[str, ...] = (
-    "small",
-    "agent_after_judge",
-    "agent_after_gate",
-    "agent_only",
-    "small_only",
-    "error",
-)
 STATUSES: tuple[str, ...] = ("200", "400", "401", "413", "429", "500", "503", "504")
 LATENCY_BUCKETS: tuple[float, ...] = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,

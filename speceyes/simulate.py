@@ -67,6 +67,7 @@ from typing import Any
 import numpy as np
 
 from speceyes.images import smart_resize
+from speceyes.rates import analytic_latency
 
 SCHEDULES: tuple[str, ...] = ("agent-only", "agent-only-2gpu", "published", "speceyes")
 IDEAL = "ideal"
@@ -1052,7 +1053,7 @@ def analytic(costs: CostModel, beta: float, alpha: float) -> Analytic:
     both = max(cj, cs)
     overlap = (1 - beta) * (cj + la) + beta * (both + (1 - alpha) * la)
     gain = 1.0 / (1.0 - beta * alpha) if beta * alpha < 1 else math.inf
-    return Analytic(cj, cs, la, cj + beta * cs + (1 - beta * alpha) * la, overlap, gain)
+    return Analytic(cj, cs, la, float(analytic_latency(cj, cs, la, beta, alpha)), overlap, gain)
 
 
 def judge_costs(costs: CostModel) -> dict[str, dict[str, Any]]:

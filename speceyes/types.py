@@ -1,16 +1,25 @@
-"""The data that flows through speceyes: a query in, a result out."""
+"""The data that flows through speceyes: a query in, a result out, and the names its logs use."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
-import numpy as np
+if TYPE_CHECKING:  # annotations only: the run viewer imports this module without numpy
+    import numpy as np
 
 Route = Literal[
     "small", "agent_after_judge", "agent_after_gate", "agent_only", "small_only", "specreason", "error"
 ]
+ROUTES: tuple[Route, ...] = get_args(Route)
+# The funnel's timed phases, the keys of Result.timings (a server adds "queue" and "total").
+PHASES: tuple[str, ...] = ("judge", "small", "gate", "agent")
+
+# A run directory (speceyes eval, read by regate, calibrate, report and view).
+RUN_CONFIG_FILE = "run.json"  # the configuration, written first
+SAMPLES_FILE = "samples.jsonl"  # one line per query, appended as each finishes
+RESULTS_FILE = "results.json"  # metrics, written at the end
 
 
 @dataclass

@@ -33,15 +33,14 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-SAMPLES = "samples.jsonl"
-RESULTS = "results.json"
-RUN_CONFIG = "run.json"
+from speceyes.rates import beta_alpha_of
+from speceyes.types import RESULTS_FILE, RUN_CONFIG_FILE, SAMPLES_FILE
+
 IMG_DIR = "img"
 IMG_INDEX = "index.json"
 THUMB_SIDE = 320  # px, longest side of a card's thumbnail
 FULL_SIDE = 3072  # px, longest side of the image shown on click (small targets stay legible)
 TEXT_CAP = 2000  # characters kept of each trace text (the full text stays in samples.jsonl)
-PHASES = ("judge", "small", "gate", "agent")
 _TOPK_KEY = b'"small_topk"'
 
 
@@ -90,13 +89,13 @@ def read_run(path: str | Path, name: str | None = None) -> RunData:
     if not path.is_dir():
         raise ViewError(f"not a run folder: {path}")
     notes: list[str] = []
-    state = _read_json(path / RUN_CONFIG, notes)
-    results = _read_json(path / RESULTS, notes)
-    samples = _read_samples(path / SAMPLES, notes)
+    state = _read_json(path / RUN_CONFIG_FILE, notes)
+    results = _read_json(path / RESULTS_FILE, notes)
+    samples = _read_samples(path / SAMPLES_FILE, notes)
     if not results:
-        if (path / RUN_CONFIG).is_file() or samples:
+        if (path / RUN_CONFIG_FILE).is_file() or samples:
             notes.append(
-                f"{path / RESULTS} is missing: the run is still being written or was stopped; "
+                f"{path / RESULTS_FILE} is missing: the run is still being written or was stopped; "
                 f"the summary is computed from the {len(samples)} queries logged so far"
             )
         else:
@@ -218,10 +217,7 @@ def _correct(s: dict[str, Any]) -> bool:
 def _beta_alpha(run: RunData) -> tuple[float | None, float | None]:
     if run.complete and ("beta" in run.results or "alpha_accept" in run.results):
         return _num(run.results.get("beta")), _num(run.results.get("alpha_accept"))
-    judged = [s for s in run.samples if s.get("judge_tool") is not None]
-    free = [s for s in judged if not s["judge_tool"]]
-    accepted = sum(s.get("route") == "small" for s in free)
-    return (len(free) / len(judged) if judged else None, accepted / len(free) if free else None)
+    return beta_alpha_of(run.samples)
 
 
 def _time_per_query(run: RunData) -> float | None:

@@ -221,8 +221,9 @@ def test_settings_defaults_and_errors(tmp_path):
     p.write_text(json.dumps({"agent": {"kind": "teleport"}}))
     with pytest.raises(ValueError, match="agent.kind"):
         mwdemo.load_settings(p)
-    assert mwdemo.analytic_speedup(1.0, 0.0, 0.0, 0.0, 0.0) == 1.0
-    assert mwdemo.analytic_speedup(1.0, 0.1, 0.8, 0.2, 0.5) == pytest.approx(1 / (0.1 + 0.16 + 0.6))
+    speedup = mwdemo.analytic_speedup  # speceyes.rates' formula, (c_J, c_S, L_agent, beta, alpha)
+    assert speedup(0.0, 0.0, 1.0, 0.0, 0.0) == 1.0
+    assert speedup(0.1, 0.2, 1.0, 0.8, 0.5) == pytest.approx(1 / (0.1 + 0.16 + 0.6))
 
 
 def test_bundled_models_load_and_answer_from_their_own_logits():

@@ -31,6 +31,7 @@ import numpy as np
 from speceyes import gate
 from speceyes.bench import occupancy
 from speceyes.bench.runlog import Run
+from speceyes.rates import analytic_latency
 
 ROUTE_SMALL = "small"
 ROUTE_JUDGE = "agent_after_judge"
@@ -152,18 +153,6 @@ def phase_times(run: Run) -> PhaseTimes:
 
     # Judge/small not logged at all: count them as free; agent unknown: no speedup estimate.
     return PhaseTimes(filled("judge", 0.0), filled("small", 0.0), filled("agent", np.nan))
-
-
-def analytic_latency(
-    c_judge: float, c_small: float, l_agent: float, beta: float, alpha: float | np.ndarray
-) -> float | np.ndarray:
-    """E[L] = c_J + beta*c_S + (1 - beta*alpha)*L_agent (arXiv 2603.23483); arrays broadcast.
-
-    A NaN alpha (nobody judged tool-free) counts as 0 accepted.
-    """
-    alpha = np.nan_to_num(np.asarray(alpha, dtype=np.float64), nan=0.0)
-    out = c_judge + beta * c_small + (1.0 - beta * alpha) * l_agent
-    return float(out) if np.ndim(out) == 0 else out
 
 
 def replay(

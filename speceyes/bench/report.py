@@ -26,6 +26,7 @@ import numpy as np
 from speceyes.bench import regate as rg
 from speceyes.bench.plots import write_run_plots
 from speceyes.bench.runlog import NO_CATEGORY, Run, load_run
+from speceyes.rates import beta_alpha
 
 AGENT_MODE = "agent"
 MEASURED = "measured"
@@ -101,9 +102,8 @@ def _beta_alpha(run: Run, replayed: rg.RegateRow | None) -> tuple[float | None, 
     if run.mode != "speceyes" or not known.any():
         return None, None
     tool_free = run.judge_tool == 0
-    beta = float(tool_free.sum() / known.sum())
-    alpha = float(np.mean(run.routes[tool_free] == rg.ROUTE_SMALL)) if tool_free.any() else None
-    return beta, alpha
+    accepted = int(np.sum(run.routes[tool_free] == rg.ROUTE_SMALL))
+    return beta_alpha(int(known.sum()), int(tool_free.sum()), accepted)
 
 
 def _num(x: Any) -> float | None:

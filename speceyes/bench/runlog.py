@@ -24,11 +24,9 @@ from typing import Any
 import numpy as np
 
 from speceyes import gate
+from speceyes.types import PHASES, RESULTS_FILE, SAMPLES_FILE
 
-SAMPLES_FILE = "samples.jsonl"
-RESULTS_FILE = "results.json"
 NO_CATEGORY = "(none)"
-PHASES = ("judge", "small", "agent")
 _TOPK_KEY = b'"small_topk"'
 _TO_CSV = bytes.maketrans(b"[]", b",\n")
 

@@ -22,12 +22,8 @@ import numpy as np
 from speceyes import __version__
 from speceyes.bench import scoring
 from speceyes.funnel import Funnel
-from speceyes.types import Query, Result
-
-SAMPLES = "samples.jsonl"
-RESULTS = "results.json"
-RUN_CONFIG = "run.json"
-PHASES = ("judge", "small", "gate", "agent")
+from speceyes.rates import beta_alpha_of
+from speceyes.types import PHASES, RESULTS_FILE, RUN_CONFIG_FILE, SAMPLES_FILE, Query, Result
 
 
 class RunDirError(ValueError):
@@ -139,9 +135,7 @@ def versions(models: dict[str, str | None]) -> dict[str, Any]:
 def summarize(records: list[dict[str, Any]], bench: str) -> dict[str, Any]:
     """Metrics, beta, alpha and time share per phase from logged records."""
     metrics = scoring.compute_metrics(bench, records)
-    judged = [r for r in records if r.get("judge_tool") is not None]
-    tool_free = [r for r in judged if not r["judge_tool"]]
-    accepted = [r for r in tool_free if r["route"] == "small"]
+    beta, alpha = beta_alpha_of(records)
     phase_time = {p: float(sum(r["timings"].get(p, 0.0) for r in records)) for p in PHASES}
     total = sum(phase_time.values())
     return {
@@ -151,8 +145,8 @@ def summarize(records: list[dict[str, Any]], bench: str) -> dict[str, Any]:
         else None,
         "n": len(records),
         "n_errors": sum(1 for r in records if r.get("error")),
-        "beta": len(tool_free) / len(judged) if judged else None,
-        "alpha_accept": len(accepted) / len(tool_free) if tool_free else None,
+        "beta": beta,
+        "alpha_accept": alpha,
         "routes": {
             k: sum(1 for r in records if r["route"] == k)
             for k in sorted({r["route"] for r in records})
@@ -190,7 +184,7 @@ def run_eval(
     """Run (or resume) an evaluation; returns the results dict also written to results.json."""
     out = spec.output
     out.mkdir(parents=True, exist_ok=True)
-    samples_path, cfg_path = out / SAMPLES, out / RUN_CONFIG
+    samples_path, cfg_path = out / SAMPLES_FILE, out / RUN_CONFIG_FILE
     config = {
         "bench": spec.bench,
         "data": str(spec.data),
@@ -290,7 +284,7 @@ def run_eval(
         "segments": state["segments"],
         "versions": versions(spec.models),
     }
-    _write_json(out / RESULTS, results)
+    _write_json(out / RESULTS_FILE, results)
     if plots:
         from speceyes.bench.plots import write_run_plots
 
@@ -298,7 +292,7 @@ def run_eval(
             results["plots"] = [str(p) for p in write_run_plots(out)]
         except Exception as e:  # a plot must never cost the run's results
             results["plots_error"] = f"{type(e).__name__}: {e}"
-        _write_json(out / RESULTS, results)
+        _write_json(out / RESULTS_FILE, results)
     return results
 
 

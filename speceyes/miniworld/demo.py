@@ -32,6 +32,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from speceyes.rates import analytic_speedup
+
 MODELS_DIR = Path(__file__).resolve().parent / "models"  # level 1, the default
 # The multi-object world's pair (``--level 2``), trained for it and kept with its numbers.
 LEVEL_MODELS = {1: MODELS_DIR, 2: Path(__file__).resolve().parent / "models_level2"}
@@ -460,11 +462,6 @@ def _cell(records: list[dict], wall: float) -> dict[str, Any]:
     }
 
 
-def analytic_speedup(L_agent: float, c_J: float, beta: float, c_S: float, alpha: float) -> float:
-    """SpecEyes' expected speedup over agent-only: L_agent / (c_J + beta*c_S + (1-beta*alpha)*L)."""
-    return L_agent / (c_J + beta * c_S + (1.0 - beta * alpha) * L_agent)
-
-
 def _add_speedups(row: dict[str, dict]) -> None:
     agent = row.get("agent")
     L = agent["time_per_query"] if agent else None
@@ -475,7 +472,7 @@ def _add_speedups(row: dict[str, dict]) -> None:
             cell["L_agent"] = L
             ok = L and cell["c_J"] is not None
             beta, alpha = cell["beta"] or 0.0, cell["alpha"] or 0.0
-            an = analytic_speedup(L, cell["c_J"], beta, cell["c_S"] or 0.0, alpha) if ok else None
+            an = analytic_speedup(cell["c_J"], cell["c_S"] or 0.0, L, beta, alpha) if ok else None
             cell["analytic_speedup"] = an
             cell["share_of_analytic"] = cell["speedup"] / an if (an and cell["speedup"]) else None
 
