@@ -16,10 +16,11 @@ everything through the agent).
 ``--schedules batched,pipelined`` runs the same load once per schedule, one after the other in
 the same invocation, and prints the p50 latency of the gate-accepted answers of each (a mixed
 load needs a tau between the confidences, e.g. --tau 0.83). ``--adversarial 0.1`` then runs
-the last schedule again with 10% hostile requests mixed in (lone surrogates, 11 options, a
-20,000-character option, a 1 MB question, a 9400x9400 PNG header, deeply nested JSON, a wrong
-API key): every valid request must be answered correctly, every hostile one must get a 4xx,
-none lost; it prints the valid requests' p95 against the clean run's.
+the last schedule again with 10% hostile requests mixed in (those of tests/tools/hostile.py:
+lone surrogates, 11 options, a 20,000-character option, a 1 MB question, PNG headers of
+9400x9400 and past PIL's bomb limit, deeply nested JSON; and a wrong API key): every valid
+request must be answered correctly, every hostile one must get a 4xx, none lost; it prints the
+valid requests' p95 against the clean run's.
 
     python benchmarks/bench_serve_load.py [--n 1000] [--concurrency 64] [--mode speceyes]
         [--tau 0.5] [--batch-size 32] [--max-wait-ms 10] [--max-queue 256]
@@ -30,16 +31,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import json
 import os
 import random
 import resource
-import struct
 import sys
 import tempfile
 import time
-import zlib
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -80,39 +78,16 @@ def build(args: argparse.Namespace, root: Path):
     return funnel
 
 
-def png_header(width: int, height: int) -> str:
-    """A data URI of a PNG that declares width x height and holds no pixel data (86 bytes)."""
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        crc = zlib.crc32(kind + data) & 0xFFFFFFFF
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", crc)
-
-    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IEND", b"")
-    return "data:image/png;base64," + base64.b64encode(png).decode()
-
-
 def hostile_requests(image_uri: str) -> list[tuple[str, bytes, dict[str, str]]]:
-    """(name, body, headers) of the attacks the server must answer with a 4xx."""
+    """(name, body, headers) of the attacks the server must answer with a 4xx: the tests' set
+    (tests/tools/hostile.py) with the right key, and a valid request with a wrong one."""
+    from tests.tools.hostile import hostile_requests as attacks
+    from tests.tools.hostile import image_part, text_part, user_request
+
     key = {"Authorization": f"Bearer {API_KEY}"}
-
-    def body(text: str, image: str = image_uri, **extra: Any) -> bytes:
-        content = [
-            {"type": "image_url", "image_url": {"url": image}},
-            {"type": "text", "text": text},
-        ]
-        msg = {"model": "speceyes", "messages": [{"role": "user", "content": content}], **extra}
-        return json.dumps(msg).encode()
-
-    return [
-        ("lone surrogate", body("\ud800 what color?"), key),
-        ("11 options", body("Which?", options=[f"o{k}" for k in range(11)]), key),
-        ("20k option", body("Which?", options=["red", "x" * 20_000]), key),
-        ("1 MB question", body("q" * 1_000_000), key),
-        ("9400x9400 image", body("What color?", image=png_header(9400, 9400)), key),
-        ("nested JSON", b"[" * 100_000 + b"]" * 100_000, key),
-        ("wrong API key", body("What color?"), {"Authorization": "Bearer wrong"}),
-    ]
+    valid = json.dumps(user_request(image_part(image_uri), text_part("What color?"))).encode()
+    wrong_key = ("wrong API key", valid, {"Authorization": "Bearer wrong"})
+    return [(a.name, a.body, key) for a in attacks(image_uri)] + [wrong_key]
 
 
 async def load(

@@ -34,9 +34,12 @@ pytest.importorskip("aiohttp")
 from speceyes.agents.zoom import ZoomAgent  # noqa: E402
 from speceyes.funnel import Funnel, FunnelConfig  # noqa: E402
 from speceyes.images import to_data_uri  # noqa: E402
-from speceyes.serve import create_app  # noqa: E402
+from speceyes.serve import API_KEY_ENV, create_app  # noqa: E402
 from speceyes.types import Query  # noqa: E402
 from tests.conftest import make_scene  # noqa: E402
+from tests.tools.hostile import hostile_requests, text_part  # noqa: E402
+from tests.tools.hostile import image_part as _img  # noqa: E402
+from tests.tools.hostile import user_request as _user  # noqa: E402
 from tests.tools.server_thread import ServerThread  # noqa: E402
 
 # Confidences of these tiny models on the scenes below sit around 0.81-0.85: this tau splits
@@ -178,7 +181,14 @@ def test_answer_with_speceyes_extra_field(served, q3, q25):
     assert r.usage is not None and r.model == "speceyes"
     # The extra field is the funnel's own result for this query, run directly.
     (d,) = make_funnel(q3, q25).run_batch(
-        [Query(id="0", image=scene_uri(0), question="What color is the box?", options=["red", "blue"])]
+        [
+            Query(
+                id="0",
+                image=scene_uri(0),
+                question="What color is the box?",
+                options=["red", "blue"],
+            )
+        ]
     )
     got = (extra["route"], extra["tool_calls"], extra["invalid_tool_calls"], extra["agent_answer"])
     assert got == (d.route, d.tool_calls, d.invalid_tool_calls, d.agent_answer)
@@ -228,15 +238,7 @@ def test_concurrent_requests_are_batched_and_equal_direct_run_batch(served, q3, 
 
 
 # ---- bad inputs ---------------------------------------------------------------------------
-def _user(*parts: dict[str, Any]) -> dict[str, Any]:
-    return {"model": "speceyes", "messages": [{"role": "user", "content": list(parts)}]}
-
-
-TEXT = {"type": "text", "text": "What color?"}
-
-
-def _img(url: str) -> dict[str, Any]:
-    return {"type": "image_url", "image_url": {"url": url}}
+TEXT = text_part("What color?")
 
 
 BAD = {
@@ -415,100 +417,38 @@ def test_health_models_and_metrics(served):
 
 
 # ---- the CLI ------------------------------------------------------------------------------
-def test_cli_serve_prints_url_answers_and_stops_on_ctrl_c(tiny_dirs):
+def _serve_cmd(tiny_dirs, *extra: str) -> list[str]:
+    """``speceyes serve`` on the tiny models in small-only mode (no agent: quick answers)."""
     cmd = [sys.executable, "-m", "speceyes", "serve", "--small", str(tiny_dirs["qwen3_vl"])]
-    cmd += ["--large", str(tiny_dirs["qwen2_5_vl"]), "--mode", "small", "--port", "0"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    with subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
-    ) as proc:
-        lines: queue.Queue[str] = queue.Queue()
-        # A reader thread: a hung child must fail the test, not block it on readline.
-        threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()
-        try:
-            url, seen = None, []
-            deadline = time.monotonic() + 90
-            while url is None and time.monotonic() < deadline and proc.poll() is None:
-                try:
-                    seen.append(lines.get(timeout=1))
-                except queue.Empty:
-                    continue
-                m = re.search(r"listening on (http://127\.0\.0\.1:\d+)", seen[-1])
-                url = m.group(1) if m else None
-            assert url, "".join(seen)
-            with openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0) as c:
-                r = c.chat.completions.create(model="speceyes", messages=messages(scene_uri(0)))
-            assert r.model_extra["speceyes"]["route"] == "small_only"
-            proc.send_signal(signal.SIGINT)
-            assert proc.wait(timeout=30) == 0
-            time.sleep(0.2)  # let the reader thread drain the last lines
-            rest = []
-            while not lines.empty():
-                rest.append(lines.get())
-            assert any("shutting down" in x for x in rest), rest
-        finally:
-            if proc.poll() is None:
-                proc.kill()
+    return cmd + ["--large", str(tiny_dirs["qwen2_5_vl"]), "--mode", "small", "--port", "0", *extra]
+
+
+def test_cli_serve_prints_url_answers_and_stops_on_ctrl_c(tiny_dirs):
+    proc, url, lines = _start(_serve_cmd(tiny_dirs))
+    try:
+        with openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0) as c:
+            r = c.chat.completions.create(model="speceyes", messages=messages(scene_uri(0)))
+        assert r.model_extra["speceyes"]["route"] == "small_only"
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+        time.sleep(0.2)  # let the reader thread drain the last lines
+        rest = []
+        while not lines.empty():
+            rest.append(lines.get())
+        assert any("shutting down" in x for x in rest), rest
+    finally:
+        if proc.poll() is None:
+            proc.kill()
 
 
 # ---- hostile inputs -----------------------------------------------------------------------
-def png_header(width: int, height: int) -> str:
-    """A data URI of a PNG that declares ``width`` x ``height`` and holds no pixel data."""
-    import struct
-    import zlib
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        crc = zlib.crc32(kind + data) & 0xFFFFFFFF
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", crc)
-
-    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IEND", b"")
-    return "data:image/png;base64," + base64.b64encode(png).decode()
-
-
-def _with(**extra: Any) -> dict[str, Any]:
-    return {**_user(_img(scene_uri(0)), TEXT), **extra}
-
-
-HOSTILE = {
-    "lone surrogate": (
-        json.dumps(_user(_img(scene_uri(0)), {"type": "text", "text": "\ud800 what color?"})),
-        400,
-        "invalid_text",
-    ),
-    "surrogate option": (json.dumps(_with(options=["red", "\udfff"])), 400, "invalid_text"),
-    "eleven options": (
-        json.dumps(_with(options=[f"o{k}" for k in range(11)])),
-        400,
-        "too_many_options",
-    ),
-    "long option": (json.dumps(_with(options=["red", "x" * 20_000])), 413, "option_too_long"),
-    "long question": (
-        json.dumps(_user(_img(scene_uri(0)), {"type": "text", "text": "q" * 1_000_000})),
-        413,
-        "question_too_long",
-    ),
-    "9400x9400 image": (
-        json.dumps(_user(_img(png_header(9400, 9400)), TEXT)),
-        413,
-        "image_too_large",
-    ),
-    "past PIL's bomb limit": (
-        json.dumps(_user(_img(png_header(30_000, 30_000)), TEXT)),
-        413,
-        "image_too_large",
-    ),
-    "nested JSON": ("[" * 100_000 + "]" * 100_000, 400, "invalid_json"),
-}
-
-
 def test_hostile_requests_get_4xx_and_their_batch_mates_are_answered(served):
     srv, _, spy = served
     good = [
         _user(_img(scene_uri(i)), {"type": "text", "text": f"What color is box {i}?"})
         for i in range(4)
     ]
-    bodies = [(n, p.encode(), st, code) for n, (p, st, code) in HOSTILE.items()]
+    bodies: list[tuple[str, bytes, int, str | None]] = list(hostile_requests(scene_uri(0)))
     bodies += [(f"good {i}", json.dumps(g).encode(), 200, None) for i, g in enumerate(good)]
     before = len(spy.sizes)
     with ThreadPoolExecutor(len(bodies)) as pool:  # all at once: hostile ones among valid ones
@@ -646,8 +586,14 @@ serve(Stuck(), port=0, drain_timeout=float(sys.argv[1]))
 """
 
 
-def _start(cmd: list[str]) -> tuple[subprocess.Popen, str, queue.Queue[str]]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+def _start(
+    cmd: list[str], env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen, str, queue.Queue[str]]:
+    """Start a server process, wait for its "listening on" line; returns it, its URL and its
+    output lines (read by a thread: a hung child must fail the test, not block it on readline).
+    ``env`` adds variables; a key set in the caller's environment is not inherited."""
+    inherited = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
+    env = {**inherited, "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
     )
@@ -685,10 +631,7 @@ def test_sigterm_exits_after_the_drain_timeout_even_with_a_stuck_model():
 
 @pytest.mark.slow
 def test_sigterm_drains_admitted_requests(tiny_dirs):
-    cmd = [sys.executable, "-m", "speceyes", "serve", "--small", str(tiny_dirs["qwen3_vl"])]
-    cmd += ["--large", str(tiny_dirs["qwen2_5_vl"]), "--mode", "small", "--port", "0"]
-    cmd += ["--batch-size", "1", "--max-wait-ms", "0"]
-    proc, url, _ = _start(cmd)
+    proc, url, _ = _start(_serve_cmd(tiny_dirs, "--batch-size", "1", "--max-wait-ms", "0"))
     try:
         body = json.dumps(_user(_img(scene_uri(0)), TEXT)).encode()
         with ThreadPoolExecutor(16) as pool:
