@@ -441,6 +441,29 @@ def test_cli_serve_prints_url_answers_and_stops_on_ctrl_c(tiny_dirs):
             proc.kill()
 
 
+def test_cli_serve_takes_the_api_key_from_the_environment(tiny_dirs):
+    proc, url, _ = _start(_serve_cmd(tiny_dirs), env={API_KEY_ENV: "from-env"})
+    try:
+        body = json.dumps(_user(_img(scene_uri(0)), TEXT)).encode()
+        status, err, headers = http_full(url, "/v1/chat/completions", body)
+        assert status == 401 and err["error"]["code"] == "invalid_api_key"
+        assert headers["WWW-Authenticate"] == "Bearer"
+        assert http_full(url, "/v1/models")[0] == 401
+        assert http_full(url, "/health")[0] == 200  # probes need no key
+        bad = openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0, timeout=60)
+        with bad, pytest.raises(openai.AuthenticationError):
+            bad.chat.completions.create(model="speceyes", messages=messages(scene_uri(0)))
+        good = openai.OpenAI(base_url=url + "/v1", api_key="from-env", max_retries=0, timeout=60)
+        with good:
+            r = good.chat.completions.create(model="speceyes", messages=messages(scene_uri(0)))
+        assert r.model_extra["speceyes"]["route"] == "small_only"
+        auth = {"Authorization": "Bearer from-env"}
+        assert http_full(url, "/v1/chat/completions", body, auth)[0] == 200
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 # ---- hostile inputs -----------------------------------------------------------------------
 def test_hostile_requests_get_4xx_and_their_batch_mates_are_answered(served):
     srv, _, spy = served
