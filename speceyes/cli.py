@@ -74,9 +74,9 @@ def add_funnel_args(p: argparse.ArgumentParser) -> None:
         default="depth=2,grid=2",
         metavar="K=V,...",
         help="--agent search settings: depth (zoom steps), grid (cells per side), overlap "
-        "(0-1), min_region (stop below this side in px; default the model's view side), answer "
-        "(deepeyes: DeepEyes conversation with the crop; small: the small prompt on the crop), stay "
-        "(1: also score the current region and stop zooming where it beats every cell), beam "
+        "(0-1), min_region (stop below this side in px; default the model's view side), "
+        "answer_prompt (deepeyes: DeepEyes conversation with the crop; small: the small prompt "
+        "on the crop), stay (1: also score the current region and stop zooming where it beats every cell), beam "
         "(regions kept per depth; their cells all compete at the next depth), fill_view (1: "
         "show each crop with as many pixels as the full image's view, upscaled, as the "
         "mini-world models were trained), "
@@ -202,107 +202,40 @@ def _protocol_defaults(args: argparse.Namespace) -> None:
             setattr(args, name, value)
 
 
-def make_backend(spec: str, family: str, args: argparse.Namespace):
-    """A backend for a model given as a folder, a hub id, or OpenAI-compatible server URL(s)."""
-    if spec.startswith(("http://", "https://")):
-        from speceyes.backends.openai import OpenAIBackend
+def settings_from_args(args: argparse.Namespace):
+    """The factory's settings from the model, funnel and agent flags."""
+    from speceyes import factory
 
-        return OpenAIBackend(
-            [u.strip() for u in spec.split(",") if u.strip()],
-            family=family,
+    config = funnel_config(args)  # fills the protocol's loop budgets into args first
+    kind = getattr(args, "agent", "deepeyes")
+    search = factory.parse_search(getattr(args, "search", "")) if kind == "search" else {}
+    return factory.Settings(
+        small=args.small,
+        large=args.large,
+        small_family=args.small_family,
+        large_family=args.large_family,
+        backend=factory.BackendSettings(
+            engine=args.engine,
+            dtype=args.dtype,
+            device_map=args.device_map,
+            attn=args.attn,
+            tensor_parallel_size=args.tensor_parallel_size,
             max_logprobs=args.max_logprobs,
-        )
-    if args.engine == "vllm":
-        from speceyes.backends.vllm import VLLMBackend
-
-        return VLLMBackend(spec, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size)
-    from speceyes.backends.hf import HFBackend
-
-    return HFBackend(
-        spec, dtype=args.dtype, device_map=args.device_map, attn_implementation=args.attn
+        ),
+        agent=factory.AgentSettings(
+            kind=kind,
+            max_tool_calls=args.max_tool_calls,
+            max_new_tokens=args.agent_max_tokens,
+            search=search,
+        ),
+        funnel=config,
     )
 
 
 def build_funnel(args: argparse.Namespace):
-    from speceyes.agents.zoom import ZoomAgent
-    from speceyes.funnel import Funnel
+    from speceyes import factory
 
-    config = funnel_config(args)
-    small = make_backend(args.small, args.small_family, args) if config.mode != "agent" else None
-    large = None
-    if config.mode != "small":
-        same = args.large == args.small and small is not None
-        large = small if same else make_backend(args.large, args.large_family, args)
-    cap = None if small is None else small.max_logprobs
-    if cap is not None and config.top_k > cap:
-        raise ValueError(
-            f"--top-k {config.top_k} exceeds the {cap} logprobs the small model's server returns; "
-            f"pass --top-k {cap}, or start the server with a higher cap (vLLM: --max-logprobs "
-            f"{config.top_k}) and pass --max-logprobs {config.top_k}"
-        )
-    agent = None
-    loop_kw = {"max_tool_calls": args.max_tool_calls, "max_new_tokens": args.agent_max_tokens}
-    if config.protocol == "published":
-        loop_kw["protocol"] = config.protocol
-    if config.mode == "specreason":
-        from speceyes.agents.specreason import SpecReasonAgent
-
-        if getattr(args, "agent", "deepeyes") != "deepeyes":
-            raise ValueError("--mode specreason runs the DeepEyes loop; use --agent deepeyes")
-        agent = SpecReasonAgent(small, large, **loop_kw)
-    elif large is not None:
-        kind = getattr(args, "agent", "deepeyes")
-        if kind == "thyme":
-            from speceyes.agents.code import CodeAgent
-
-            agent = CodeAgent(large, **loop_kw)
-        elif kind == "search":
-            from speceyes.agents.search import SearchAgent
-
-            agent = SearchAgent(
-                large,
-                max_new_tokens=args.agent_max_tokens,
-                **_search_settings(getattr(args, "search", "")),
-            )
-        else:
-            agent = ZoomAgent(large, **loop_kw)
-    return Funnel(small, large, agent, config)
-
-
-def _flag(text: str) -> bool:
-    """1/0, true/false, yes/no -> bool; anything else is a ValueError."""
-    t = text.strip().lower()
-    if t in ("1", "true", "yes", "on"):
-        return True
-    if t in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(text)
-
-
-def _search_settings(text: str) -> dict:
-    """``depth=3,grid=3,answer=small,stay=1`` -> SearchAgent keyword arguments (clear errors)."""
-    kinds = {
-        "depth": int,
-        "grid": int,
-        "overlap": float,
-        "min_region": int,
-        "answer": str,
-        "stay": _flag,
-        "beam": int,
-        "fill_view": _flag,
-        "min_box": int,
-    }
-    out: dict = {}
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        key, sep, val = part.partition("=")
-        if not sep or key not in kinds:
-            raise ValueError(f"--search: expected K=V with K in {', '.join(kinds)}, got {part!r}")
-        try:
-            out["answer_prompt" if key == "answer" else key] = kinds[key](val)
-        except ValueError:
-            what = "1 or 0" if kinds[key] is _flag else f"a {kinds[key].__name__}"
-            raise ValueError(f"--search: {key} needs {what}, got {val!r}") from None
-    return out
+    return factory.build_funnel(settings_from_args(args))
 
 
 def _print_result(r, tau: float) -> None:

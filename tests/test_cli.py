@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 from speceyes.cli import main
 from tests.conftest import make_scene
 
@@ -69,23 +67,14 @@ def test_ask_unknown_model(tmp_path, capsys):
     assert rc == 2 and "does not exist" in capsys.readouterr().err
 
 
-def test_search_agent_settings_parse_and_reject_bad_keys():
-    from speceyes.cli import _search_settings
+def test_search_flag_reaches_the_agent_settings():
+    from speceyes.cli import build_parser, settings_from_args
 
-    assert _search_settings("depth=3,grid=3,overlap=0.2,min_region=64,answer=small") == {
-        "depth": 3,
-        "grid": 3,
-        "overlap": 0.2,
-        "min_region": 64,
-        "answer_prompt": "small",
-    }
-    assert _search_settings("") == {}
-    assert _search_settings("stay=1") == {"stay": True}
-    assert _search_settings("stay=off,beam=2") == {"stay": False, "beam": 2}
-    assert _search_settings("fill_view=1,min_box=10") == {"fill_view": True, "min_box": 10}
-    with pytest.raises(ValueError, match="stay needs 1 or 0"):
-        _search_settings("stay=maybe")
-    with pytest.raises(ValueError, match="K=V"):
-        _search_settings("zoom=3")
-    with pytest.raises(ValueError, match="depth needs a int"):
-        _search_settings("depth=two")
+    argv = ["ask", "i.png", "q", "--small", "s", "--large", "l", "--agent", "search"]
+    s = settings_from_args(build_parser().parse_args([*argv, "--search", "depth=3,stay=1"]))
+    assert s.agent.kind == "search" and s.agent.search == {"depth": 3, "stay": True}
+    assert s.agent.max_new_tokens == 1024 and s.funnel.batch_size == 8  # the fair protocol's
+    assert (s.small, s.large, s.backend.engine, s.backend.max_logprobs) == ("s", "l", "hf", 20)
+    # --search is read only for the search agent, as before
+    other = build_parser().parse_args([*argv[:-1], "deepeyes", "--search", "zoom=3"])
+    assert settings_from_args(other).agent.search == {}

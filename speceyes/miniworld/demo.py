@@ -290,28 +290,28 @@ def _write_subsets(data: Path, rows: list[dict[str, Any]]) -> None:
 # ---------------------------------------------------------------------------------------- runs
 
 
-def make_agent(large, a: AgentSettings):
+def agent_settings(a: AgentSettings):
+    """The factory's agent settings for the manifest's ``agent`` object (its search keys are
+    the factory's SEARCH_KEYS, the names ``--search`` takes)."""
+    from speceyes import factory
+
     if a.kind == "zoom":
-        from speceyes.agents.zoom import ZoomAgent
-
-        return ZoomAgent(
-            large, max_tool_calls=a.max_tool_calls, max_new_tokens=a.max_new_tokens or 1024
+        return factory.AgentSettings(
+            kind="deepeyes",
+            max_tool_calls=a.max_tool_calls,
+            max_new_tokens=a.max_new_tokens or 1024,
         )
-    from speceyes.agents.search import SearchAgent
-
-    return SearchAgent(
-        large,
-        depth=a.depth,
-        grid=a.grid,
-        overlap=a.overlap,
-        min_region=a.min_region,
-        answer_prompt=a.answer_prompt,
+    return factory.AgentSettings(
+        kind="search",
         max_new_tokens=a.max_new_tokens or 64,
-        stay=a.stay,
-        beam=a.beam,
-        fill_view=a.fill_view,
-        min_box=a.min_box,
+        search={k: getattr(a, k) for k in factory.SEARCH_KEYS},
     )
+
+
+def make_agent(large, a: AgentSettings):
+    from speceyes import factory
+
+    return factory.make_agent(agent_settings(a), large)
 
 
 def warm_up(backends: dict[str, Any], data: Path) -> None:
@@ -366,7 +366,8 @@ def run_one(
     """One mode on one size split through the evaluation harness, resuming a matching run."""
     from speceyes.bench.datasets import load_jsonl
     from speceyes.bench.runner import EvalSpec, RunDirError, run_eval
-    from speceyes.funnel import Funnel, FunnelConfig
+    from speceyes.factory import assemble_funnel
+    from speceyes.funnel import FunnelConfig
 
     started = (run_dir / "run.json").exists() or (run_dir / "samples.jsonl").exists()
     if started:
@@ -380,11 +381,8 @@ def run_one(
             started = False
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / IDENTITY).write_text(json.dumps(ident, indent=2))
-    funnel = Funnel(
-        backends.get("small") if mode != "agent" else None,
-        backends.get("large") if mode != "small" else None,
-        agent if mode != "small" else None,
-        FunnelConfig(mode=mode, **funnel_kw),
+    funnel = assemble_funnel(
+        FunnelConfig(mode=mode, **funnel_kw), backends.get("small"), backends.get("large"), agent
     )
     n = sum(1 for line in subset.open(encoding="utf-8") if line.strip())
 
@@ -720,7 +718,7 @@ def run(args: argparse.Namespace) -> int:
         f"split: {data} ({'reused' if reused else 'generated'}; {man['n_scenes']} scenes, "
         f"{man['n_questions']} questions, canvas {man['canvas'][0]}x{man['canvas'][1]}, seed {seed})"
     )
-    from speceyes.backends.hf import HFBackend
+    from speceyes.factory import BackendSettings, make_backend
 
     if args.no_progress:
         from transformers.utils import logging as hf_logging
@@ -728,7 +726,8 @@ def run(args: argparse.Namespace) -> int:
         hf_logging.disable_progress_bar()
     need = {r for m in modes for r in {"agent": ("large",), "small": ("small",)}.get(m, ROLES)}
     print(f"models: {models_dir} ({', '.join(sorted(need))}; float32)")
-    backends = {r: HFBackend(models[r], dtype="float32") for r in ROLES if r in need}
+    float32 = BackendSettings(dtype="float32")
+    backends = {r: make_backend(str(models[r]), settings=float32) for r in ROLES if r in need}
     prints = {r: fingerprint(models[r]) for r in ROLES}
     agent = make_agent(backends["large"], settings.agent) if "large" in backends else None
     funnel_kw = {
