@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Any
 from speceyes.funnel import FunnelConfig
 
 if TYPE_CHECKING:
+    from speceyes.agents.base import Agent
     from speceyes.backends.base import Backend
-    from speceyes.funnel import Agent, Funnel
+    from speceyes.funnel import Funnel
 
 AGENTS: tuple[str, ...] = ("deepeyes", "thyme", "search")
 

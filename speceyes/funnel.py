@@ -45,13 +45,13 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from functools import partial
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import numpy as np
 
 from speceyes import gate, prompts, protocols
-from speceyes.agents.base import AgentOutcome
-from speceyes.backends.base import Backend, BackendError, JudgeMode
+from speceyes.agents.base import EMPTY, END, Agent, AgentOutcome, drive_loops
+from speceyes.backends.base import Backend, BackendError, JudgeMode, per_item
 from speceyes.images import load_image, resize_for_model
 from speceyes.rates import beta_alpha
 from speceyes.types import Query, Result
@@ -64,21 +64,6 @@ JUDGES: tuple[str, ...] = ("large", "prefix", "small", "small-prefix", "none")
 # The judge question as one more user turn after a shared prefix: the published judge's
 # instructions and question (prompts.JUDGE_SYSTEM, prompts.JUDGE_SUFFIX) as one text.
 PREFIX_JUDGE_TEXT = prompts.JUDGE_SYSTEM + prompts.JUDGE_SUFFIX.lstrip("\n")
-
-
-class AgentLoop(Protocol):
-    outcome: AgentOutcome
-    done: bool
-
-
-class Agent(Protocol):
-    """What the funnel needs of an agent: open loops and advance many by one batched turn."""
-
-    name: str
-
-    def start_loop(self, query: Query) -> AgentLoop: ...
-
-    def advance(self, loops: Sequence[AgentLoop]) -> None: ...
 
 
 @dataclass
@@ -210,8 +195,8 @@ class Funnel:
         """All four phases for one batch; results in input order."""
         front = self._front(queries)
         loops = iter([(i, front.live[i]) for i in front.agent])
-        take = lambda block: next(loops, _END)  # noqa: E731
-        for i, outcome, seconds in self._drive_loops(take, max_active=None):
+        take = lambda block: next(loops, END)  # noqa: E731
+        for i, outcome, seconds in drive_loops(self.agent, take, max_active=None):
             self._finish_agent(front, i, outcome, seconds)
         return [front.results[i] for i in range(len(queries))]
 
@@ -287,7 +272,7 @@ class Funnel:
             return []
         t0 = time.perf_counter()
         try:
-            p_tools = _per_query(
+            p_tools = per_item(
                 lambda m: protocols.judge(backend, m, cfg.protocol, cfg.judge_mode, self._family),
                 msgs,
             )
@@ -360,7 +345,7 @@ class Funnel:
             return
         t0 = time.perf_counter()
         try:
-            got = _per_query(
+            got = per_item(
                 lambda m: protocols.small_answers(
                     self.small, m, cfg.protocol, max_new_tokens=cfg.max_new_tokens,
                     top_k=cfg.top_k, agg=cfg.agg,
@@ -430,61 +415,6 @@ class Funnel:
             self.stats.errors += 1
 
     # ---- phase IV -------------------------------------------------------------------------
-    def _drive_loops(
-        self, take: Callable[[bool], Any], max_active: int | None
-    ) -> Iterator[tuple[Any, AgentOutcome, float]]:
-        """Run agent loops with continuous batching; yields (key, outcome, seconds) as each ends.
-
-        ``take(block)`` returns the next ``(key, query)``, ``_EMPTY`` when none is ready (only
-        when not blocking) or ``_END``. It blocks only when no loop is active, so running loops
-        never wait for new work. ``seconds`` is the loop's share of the batched turns it took
-        part in, so the per-query agent times of a batch add up to the batch's wall time.
-        """
-        agent = self.agent
-        active: list[tuple[Any, AgentLoop]] = []
-        cost: dict[int, float] = {}
-        exhausted = False
-        while True:
-            while not exhausted and (max_active is None or len(active) < max_active):
-                nxt = take(not active)
-                if nxt is _EMPTY:
-                    break
-                if nxt is _END:
-                    exhausted = True
-                    break
-                key, q = nxt
-                try:
-                    loop = agent.start_loop(q)
-                except Exception as e:  # this query's input broke the agent: only this one
-                    yield key, AgentOutcome(answer="", error=f"{type(e).__name__}: {e}"), 0.0
-                    continue
-                active.append((key, loop))
-                cost[id(loop)] = 0.0
-            if not active:
-                return
-            t0 = time.perf_counter()
-            broken = self._advance(active)
-            share = (time.perf_counter() - t0) / len(active)
-            still = []
-            for key, lp in active:
-                cost[id(lp)] += share
-                if id(lp) in broken:
-                    e = broken[id(lp)]
-                    err = AgentOutcome(answer="", error=f"{type(e).__name__}: {e}")
-                    yield key, err, cost.pop(id(lp))
-                elif lp.done:
-                    yield key, lp.outcome, cost.pop(id(lp))
-                else:
-                    still.append((key, lp))
-            active = still
-
-    def _advance(self, active: Sequence[tuple[Any, AgentLoop]]) -> dict[int, Exception]:
-        """One batched agent turn; if it raises, each loop's turn alone, so that a loop that
-        breaks the turn ends with its error and the others go on. Returns id(loop) -> error."""
-        loops = [lp for _, lp in active]
-        errors = _per_query(lambda ls: (self.agent.advance(ls), [None] * len(ls))[1], loops)
-        return {id(lp): e for lp, e in zip(loops, errors, strict=True) if e is not None}
-
     def _finish_agent(self, front: _Front, i: int, out: AgentOutcome, seconds: float) -> None:
         r = front.results[i]
         r.agent_answer = out.answer
@@ -529,19 +459,19 @@ class Funnel:
 
         def take(block: bool) -> Any:
             if stop.is_set():
-                return _END
+                return END
             try:
                 item = agent_q.get(block=block)
             except queue.Empty:
-                return _EMPTY
+                return EMPTY
             if item is done:
-                return _END
+                return END
             f, i = item
             return (f, i), f.live[i]
 
         def back() -> None:
             try:
-                for (f, i), outcome, seconds in self._drive_loops(take, cfg.max_agent_loops):
+                for (f, i), outcome, seconds in drive_loops(self.agent, take, cfg.max_agent_loops):
                     self._finish_agent(f, i, outcome, seconds)
                     out_q.put(f.results[i])
             except BaseException as e:
@@ -583,30 +513,6 @@ def _judge_view(image: Any, backend: Backend, max_pixels: int) -> Any:
     lo = min(backend.min_pixels, max_pixels)
     view, _ = resize_for_model(load_image(image, copy=False), backend.factor, lo, max_pixels)
     return view
-
-
-def _per_query(call: Callable[[list], Sequence[Any]], items: list) -> list[Any]:
-    """``call`` over the whole batch; if it raises anything but a ``BackendError`` (a server
-    that failed the batch as a whole), over each item alone, so that an item that breaks a
-    tokenizer, a prompt or a backend fails alone. Its slot then holds the exception."""
-    try:
-        return list(call(items))
-    except BackendError:
-        raise
-    except Exception as e:
-        if len(items) == 1:
-            return [e]
-    out: list[Any] = []
-    for item in items:
-        try:
-            out.extend(call([item]))
-        except Exception as e:  # BackendError included: this item's own failure now
-            out.append(e)
-    return out
-
-
-_EMPTY = object()  # nothing to take right now
-_END = object()  # nothing more will come
 
 
 def _chunks(queries: Iterable[Query], size: int) -> Iterator[list[Query]]:

@@ -1,13 +1,19 @@
-"""What every agent loop returns, and the small pieces of text handling they share."""
+"""What every agent loop returns, the one driver that runs loops in continuous batches, the
+shape of an agent step, and the small pieces of text handling the agents share."""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from speceyes.backends.base import BackendError
+from speceyes.backends.base import BackendError, per_item
+
+if TYPE_CHECKING:
+    from speceyes.backends.base import Backend
+    from speceyes.types import ChatTurn
 
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _THINK_END = "</think>"
@@ -39,49 +45,122 @@ def fallback_answer(text: str) -> str:
 
 
 class Loop(Protocol):
+    """One query's agent loop: its outcome so far and whether it has ended."""
+
     outcome: AgentOutcome
     done: bool
 
 
+class Agent(Protocol):
+    """What the schedulers need of an agent: open loops and advance many by one batched turn."""
+
+    name: str
+
+    def start_loop(self, query: Any) -> Loop: ...
+
+    def advance(self, loops: Sequence[Any]) -> None: ...
+
+
+EMPTY = object()  # ``take`` of drive_loops: nothing to take right now
+END = object()  # ``take`` of drive_loops: nothing more will come
+
+
+def drive_loops(
+    agent: Agent, take: Callable[[bool], Any], max_active: int | None
+) -> Iterator[tuple[Any, AgentOutcome, float]]:
+    """Run agent loops with continuous batching; yields (key, outcome, seconds) as each ends.
+
+    ``take(block)`` returns the next ``(key, query)``, ``EMPTY`` when none is ready (only when
+    not blocking) or ``END``. It blocks only when no loop is active, so running loops never
+    wait for new work. With ``max_active`` at most that many loops are in flight and a finished
+    loop's place goes to the next query. ``seconds`` is the loop's share of the batched turns it
+    took part in, so the per-query agent times of a batch add up to the batch's wall time. A
+    query whose input or turn breaks the agent ends alone, with the error.
+    """
+    active: list[tuple[Any, Loop]] = []
+    cost: dict[int, float] = {}
+    exhausted = False
+    while True:
+        while not exhausted and (max_active is None or len(active) < max_active):
+            nxt = take(not active)
+            if nxt is EMPTY:
+                break
+            if nxt is END:
+                exhausted = True
+                break
+            key, q = nxt
+            try:
+                loop = agent.start_loop(q)
+            except Exception as e:  # this query's input broke the agent: only this one
+                yield key, AgentOutcome(answer="", error=f"{type(e).__name__}: {e}"), 0.0
+                continue
+            active.append((key, loop))
+            cost[id(loop)] = 0.0
+        if not active:
+            return
+        t0 = time.perf_counter()
+        loops = [lp for _, lp in active]
+        errors = per_item(lambda ls: (agent.advance(ls), [None] * len(ls))[1], loops)
+        share = (time.perf_counter() - t0) / len(active)
+        still = []
+        for (key, lp), e in zip(active, errors, strict=True):
+            cost[id(lp)] += share
+            if e is not None:
+                err = AgentOutcome(answer="", error=f"{type(e).__name__}: {e}")
+                yield key, err, cost.pop(id(lp))
+            elif lp.done:
+                yield key, lp.outcome, cost.pop(id(lp))
+            else:
+                still.append((key, lp))
+        active = still
+
+
 class LoopAgent:
-    """Continuous batching over an agent's incremental API (``start_loop`` and ``advance``)."""
+    """The shape every agent shares: ``advance`` runs one batched turn of the agent's own
+    (``_turn``) for the unfinished loops, ends them all with a backend's failure, and closes
+    each loop that finished (``_end``); ``run`` drives whole queries through ``drive_loops``."""
 
-    def start_loop(self, query: Any) -> Loop:  # pragma: no cover - implemented by agents
+    name: str
+    max_new_tokens: int
+
+    def start_loop(self, query: Any) -> Any:  # pragma: no cover - implemented by agents
         raise NotImplementedError
 
-    def advance(self, loops: Sequence[Any]) -> None:  # pragma: no cover
+    def _turn(self, active: list[Any]) -> None:  # pragma: no cover - implemented by agents
+        """One batched turn for ``active`` (no loop done); sets ``done`` on those that end."""
         raise NotImplementedError
 
-    def _turns(self, backend: Any, active: Sequence[Any], stop: Sequence[str]) -> list | None:
-        """One batched turn for ``active``; a backend failure ends those loops with its message."""
+    def advance(self, loops: Sequence[Any]) -> None:
+        """One batched turn for every given unfinished loop."""
+        active = [lp for lp in loops if not lp.done]
+        if not active:
+            return
         try:
-            return backend.chat(
-                [lp.messages for lp in active], stop=stop, max_new_tokens=self.max_new_tokens
-            )
+            self._turn(active)
         except BackendError as e:
             for lp in active:
-                lp.outcome.error, lp.done = str(e), True
-            return None
+                if not lp.done:
+                    lp.outcome.error, lp.done = str(e), True
+        for lp in active:
+            if lp.done:
+                self._end(lp)
+
+    def _end(self, loop: Any) -> None:
+        loop.outcome.trace.append(
+            {"type": "end", "seconds": round(time.perf_counter() - loop.started, 6)}
+        )
+
+    def _chat(self, backend: Backend, loops: Sequence[Any], stop: Sequence[str]) -> list[ChatTurn]:
+        """One assistant turn per loop's conversation, ended by ``stop``."""
+        return backend.chat(
+            [lp.messages for lp in loops], stop=stop, max_new_tokens=self.max_new_tokens
+        )
 
     def run(self, queries: Sequence[Any], max_active: int | None = None) -> list[AgentOutcome]:
-        """Run every query's loop to its end.
-
-        Loops advance together, one batched turn per step; with ``max_active`` at most that many
-        are in flight and a finished loop's place goes to the next query (continuous batching).
-        """
+        """Every query's loop run to its end (continuous batching, at most ``max_active`` in
+        flight); outcomes in input order."""
+        pending = iter(enumerate(queries))
         outcomes: list[AgentOutcome | None] = [None] * len(queries)
-        pending = list(enumerate(queries))[::-1]
-        active: list[tuple[int, Any]] = []
-        while pending or active:
-            while pending and (max_active is None or len(active) < max_active):
-                i, q = pending.pop()
-                try:
-                    active.append((i, self.start_loop(q)))
-                except (OSError, ValueError) as e:
-                    outcomes[i] = AgentOutcome(answer="", error=f"{type(e).__name__}: {e}")
-            self.advance([lp for _, lp in active])
-            for i, lp in active:
-                if lp.done:
-                    outcomes[i] = lp.outcome
-            active = [(i, lp) for i, lp in active if not lp.done]
+        for i, outcome, _ in drive_loops(self, lambda block: next(pending, END), max_active):
+            outcomes[i] = outcome
         return [o if o is not None else AgentOutcome(answer="", error="not run") for o in outcomes]

@@ -650,9 +650,7 @@ class CodeAgent(LoopAgent):
                     res.discard()  # the images are in memory now: no copies pile up on disk
 
     def _end(self, loop: _Loop) -> None:
-        loop.outcome.trace.append(
-            {"type": "end", "seconds": round(time.perf_counter() - loop.started, 6)}
-        )
+        super()._end(loop)
         if loop.tmpdir is not None:
             shutil.rmtree(loop.tmpdir, ignore_errors=True)
             loop.tmpdir = None
@@ -662,20 +660,13 @@ class CodeAgent(LoopAgent):
         """Open a loop for ``query``; raises ImageError/ValueError for an unusable image."""
         return self._start(query)
 
-    def advance(self, loops: Sequence[_Loop]) -> None:
-        """One batched generation step for every given unfinished loop, then run their code."""
-        active = [lp for lp in loops if not lp.done]
-        if not active:
-            return
-        turns = self._turns(self.backend, active, prompts.THYME_STOP)
-        if turns is not None:
-            jobs = []
-            for lp, turn in zip(active, turns, strict=True):
-                job = self._step(lp, turn.text, turn.finish_reason)
-                if job is not None:
-                    jobs.append((lp, *job))
-            if jobs:
-                self._execute(jobs)
-        for lp in active:
-            if lp.done:
-                self._end(lp)
+    def _turn(self, active: list[_Loop]) -> None:
+        """One batched generation step, then the code the loops wrote runs."""
+        turns = self._chat(self.backend, active, prompts.THYME_STOP)
+        jobs = []
+        for lp, turn in zip(active, turns, strict=True):
+            job = self._step(lp, turn.text, turn.finish_reason)
+            if job is not None:
+                jobs.append((lp, *job))
+        if jobs:
+            self._execute(jobs)

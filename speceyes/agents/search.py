@@ -29,7 +29,7 @@ from PIL import Image
 
 from speceyes import prompts
 from speceyes.agents.base import AgentOutcome, LoopAgent, fallback_answer, last_answer
-from speceyes.backends.base import Backend, BackendError, Messages
+from speceyes.backends.base import Backend, Messages
 from speceyes.images import BoxError, View, load_image, zoom_crop
 from speceyes.types import Query
 
@@ -314,24 +314,11 @@ class SearchAgent(LoopAgent):
         loop.searching = self._can_zoom(loop)
         return loop
 
-    def advance(self, loops: Sequence[_Loop]) -> None:
+    def _turn(self, active: list[_Loop]) -> None:
         """One search step (one batched scoring call) and/or the answer (one batched call)."""
-        active = [lp for lp in loops if not lp.done]
-        if not active:
-            return
-        try:
-            searching = [lp for lp in active if lp.searching]
-            if searching:
-                self._search_step(searching)
-            answering = [lp for lp in active if not lp.searching]
-            if answering:
-                self._answer_step(answering)
-        except BackendError as e:
-            for lp in active:
-                if not lp.done:
-                    lp.outcome.error, lp.done = str(e), True
-        for lp in active:
-            if lp.done:
-                lp.outcome.trace.append(
-                    {"type": "end", "seconds": round(time.perf_counter() - lp.started, 6)}
-                )
+        searching = [lp for lp in active if lp.searching]
+        if searching:
+            self._search_step(searching)
+        answering = [lp for lp in active if not lp.searching]
+        if answering:
+            self._answer_step(answering)

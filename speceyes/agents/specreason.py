@@ -14,7 +14,7 @@ import numpy as np
 
 from speceyes import prompts
 from speceyes.agents.zoom import ZoomAgent, _Loop
-from speceyes.backends.base import Backend, BackendError
+from speceyes.backends.base import Backend
 
 DIGITS = tuple(str(d) for d in range(10))
 ACCEPT_SCORE = 7.0
@@ -41,27 +41,11 @@ class SpecReasonAgent(ZoomAgent):
         mass = probs.sum(axis=1)
         return (probs * np.arange(10)).sum(axis=1) / np.maximum(mass, 1e-30)
 
-    def advance(self, loops: Sequence[_Loop]) -> None:
-        active = [lp for lp in loops if not lp.done]
-        if not active:
-            return
-        try:
-            proposals = self.small.chat(
-                [lp.messages for lp in active],
-                stop=prompts.DEEPEYES_STOP,
-                max_new_tokens=self.max_new_tokens,
-            )
-            scores = self._scores(active, [t.text for t in proposals])
-            redo = [j for j, s in enumerate(scores) if s < self.accept_score]
-            rewritten = self.backend.chat(
-                [active[j].messages for j in redo],
-                stop=prompts.DEEPEYES_STOP,
-                max_new_tokens=self.max_new_tokens,
-            )
-        except BackendError as e:
-            for lp in active:
-                lp.outcome.error, lp.done = str(e), True
-            return
+    def _turn(self, active: list[_Loop]) -> None:
+        proposals = self._chat(self.small, active, prompts.DEEPEYES_STOP)
+        scores = self._scores(active, [t.text for t in proposals])
+        redo = [j for j, s in enumerate(scores) if s < self.accept_score]
+        rewritten = self._chat(self.backend, [active[j] for j in redo], prompts.DEEPEYES_STOP)
         turns = list(proposals)
         for j, t in zip(redo, rewritten, strict=True):
             turns[j] = t
@@ -70,6 +54,3 @@ class SpecReasonAgent(ZoomAgent):
                 {"type": "step_score", "score": float(scores[j]), "accepted": j not in redo}
             )
             self._step(lp, turn.text, turn.finish_reason)
-        for lp in active:
-            if lp.done:
-                self._end(lp)

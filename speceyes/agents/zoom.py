@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -248,19 +247,8 @@ class ZoomAgent(LoopAgent):
         """Open a loop for ``query``; raises ImageError/ValueError for an unusable image."""
         return self._start(query)
 
-    def advance(self, loops: Sequence[_Loop]) -> None:
-        """One batched assistant turn for every given unfinished loop."""
-        active = [lp for lp in loops if not lp.done]
-        if not active:
-            return
-        turns = self._turns(self.backend, active, prompts.DEEPEYES_STOP)
-        if turns is None:
-            return
+    def _turn(self, active: list[_Loop]) -> None:
+        """One batched assistant turn, each consumed by its loop."""
+        turns = self._chat(self.backend, active, prompts.DEEPEYES_STOP)
         for lp, turn in zip(active, turns, strict=True):
             self._step(lp, turn.text, turn.finish_reason)
-        for lp in active:
-            if lp.done:
-                self._end(lp)
-
-    def _end(self, lp: _Loop) -> None:
-        lp.outcome.trace.append({"type": "end", "seconds": round(time.perf_counter() - lp.started, 6)})

@@ -7,7 +7,7 @@ Backends know nothing of the funnel. All of them take OpenAI-style chat messages
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, Protocol
 
 import numpy as np
@@ -114,3 +114,23 @@ def cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, str | None]:
 def decode_rule_p_tool(text: str) -> float:
     """The published rule: a judge reply starting with "no" means tool-free (P(tool) = 0)."""
     return 0.0 if text.strip().lower().startswith("no") else 1.0
+
+
+def per_item(call: Callable[[list], Sequence[Any]], items: list) -> list[Any]:
+    """``call`` over the whole batch; if it raises anything but a ``BackendError`` (a server
+    that failed the batch as a whole), over each item alone, so that an item that breaks a
+    tokenizer, a prompt or a backend fails alone. Its slot then holds the exception."""
+    try:
+        return list(call(items))
+    except BackendError:
+        raise
+    except Exception as e:
+        if len(items) == 1:
+            return [e]
+    out: list[Any] = []
+    for item in items:
+        try:
+            out.extend(call([item]))
+        except Exception as e:  # BackendError included: this item's own failure now
+            out.append(e)
+    return out
