@@ -134,3 +134,26 @@ def per_item(call: Callable[[list], Sequence[Any]], items: list) -> list[Any]:
         except Exception as e:  # BackendError included: this item's own failure now
             out.append(e)
     return out
+
+
+def map_images(messages: Messages, image: Callable[[Any], dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` as ``{"role", "content"}`` dicts in which every image part (``image`` with
+    its source, or OpenAI's ``image_url``) is replaced by ``image(source)``, in order; text
+    parts and plain-string contents stay as they are. Each backend gives its own image part."""
+    out = []
+    for m in messages:
+        content = m["content"]
+        if isinstance(content, list):
+            parts = []
+            for p in content:
+                if p.get("type") not in ("image", "image_url"):
+                    parts.append(p)
+                    continue
+                src = p.get("image")
+                if src is None:
+                    url = p.get("image_url")
+                    src = url.get("url") if isinstance(url, dict) else url
+                parts.append(image(src))
+            content = parts
+        out.append({"role": m["role"], "content": content})
+    return out

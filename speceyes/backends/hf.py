@@ -26,6 +26,7 @@ from speceyes.backends.base import (
     answer_token_ids,
     cut_at_stop,
     decode_rule_p_tool,
+    map_images,
 )
 from speceyes.images import View, load_image, resize_for_model, view_for_model
 from speceyes.types import ChatTurn, SpecAnswer
@@ -151,27 +152,18 @@ class HFBackend:
 
     def _prepare(self, batch: Sequence[Messages], add_generation_prompt: bool = True):
         torch = self._torch
-        texts, images = [], []
+        texts: list[str] = []
+        images: list[Any] = []
+
+        def image(src: Any) -> dict[str, Any]:  # the pixels go to the processor, in order
+            img, _ = resize_for_model(
+                load_image(src, copy=False), self.factor, self.min_pixels, self.max_pixels
+            )
+            images.append(img)
+            return {"type": "image"}
+
         for messages in batch:
-            clean = []
-            for m in messages:
-                content = m["content"]
-                if isinstance(content, list):
-                    parts = []
-                    for p in content:
-                        if p.get("type") in ("image", "image_url"):
-                            src = p.get("image")
-                            if src is None and isinstance(p.get("image_url"), dict):
-                                src = p["image_url"].get("url")
-                            img, _ = resize_for_model(
-                                load_image(src, copy=False), self.factor, self.min_pixels, self.max_pixels
-                            )
-                            images.append(img)
-                            parts.append({"type": "image"})
-                        else:
-                            parts.append(p)
-                    content = parts
-                clean.append({"role": m["role"], "content": content})
+            clean = map_images(messages, image)
             # {"role": "assistant", ..., "continue": True} last: extend that turn (Thyme's
             # code loop) instead of opening a new one.
             cont = bool(messages) and messages[-1].get("continue") is True

@@ -62,6 +62,7 @@ from speceyes.backends.base import (
     JudgeMode,
     Messages,
     decode_rule_p_tool,
+    map_images,
 )
 from speceyes.images import View, load_image, resize_for_model, to_data_uri, view_for_model
 from speceyes.types import ChatTurn, SpecAnswer
@@ -397,25 +398,9 @@ class OpenAIBackend:
 
     def _convert(self, messages: Messages) -> list[dict[str, Any]]:
         """speceyes image parts -> OpenAI ``image_url`` parts; text and strings unchanged."""
-        out = []
-        for m in messages:
-            content = m["content"]
-            if isinstance(content, list):
-                parts = []
-                for p in content:
-                    kind = p.get("type")
-                    if kind == "image":
-                        src = p.get("image")
-                    elif kind == "image_url":
-                        url = p.get("image_url")
-                        src = url.get("url") if isinstance(url, dict) else url
-                    else:
-                        parts.append(p)
-                        continue
-                    parts.append({"type": "image_url", "image_url": {"url": self._data_uri(src)}})
-                content = parts
-            out.append({"role": m["role"], "content": content})
-        return out
+        return map_images(
+            messages, lambda src: {"type": "image_url", "image_url": {"url": self._data_uri(src)}}
+        )
 
     # ---- logprobs -------------------------------------------------------------------------
     def _check_top_k(self, top_k: int) -> None:

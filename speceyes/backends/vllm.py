@@ -28,6 +28,7 @@ from speceyes.backends.base import (
     answer_token_ids,
     cut_at_stop,
     decode_rule_p_tool,
+    map_images,
 )
 from speceyes.images import View, load_image, resize_for_model, view_for_model
 from speceyes.types import ChatTurn, SpecAnswer
@@ -173,24 +174,12 @@ def engine_messages(
     messages: Messages, factor: int, min_pixels: int, max_pixels: int
 ) -> list[dict[str, Any]]:
     """speceyes messages -> ``LLM.chat`` messages: images smart_resized here, as PIL parts."""
-    out = []
-    for m in messages:
-        content = m["content"]
-        if isinstance(content, list):
-            parts = []
-            for p in content:
-                if p.get("type") in ("image", "image_url"):
-                    src = p.get("image")
-                    if src is None:
-                        url = p.get("image_url")
-                        src = url.get("url") if isinstance(url, dict) else url
-                    img, _ = resize_for_model(load_image(src), factor, min_pixels, max_pixels)
-                    parts.append({"type": "image_pil", "image_pil": img})
-                else:
-                    parts.append(p)
-            content = parts
-        out.append({"role": m["role"], "content": content})
-    return out
+
+    def image(src: Any) -> dict[str, Any]:
+        img, _ = resize_for_model(load_image(src), factor, min_pixels, max_pixels)
+        return {"type": "image_pil", "image_pil": img}
+
+    return map_images(messages, image)
 
 
 def first_step(request_output: Any) -> Mapping[int, Any]:
