@@ -164,7 +164,14 @@ def funnel_config(args: argparse.Namespace):
         # The file holds the whole gate and judge setting it was calibrated with, and must
         # have been made for these models (a tau is only valid for its setup).
         cal = read_calibration(args.calibration)
-        check_setup(cal, args.small, args.large, getattr(args, "agent", None))
+        check_setup(
+            cal,
+            args.small,
+            args.large,
+            getattr(args, "agent", None),
+            gate_kw["judge"],
+            gate_kw["judge_max_pixels"],
+        )
         tau = cal.tau if tau is None else tau
         top_k, agg, gate_kw["alpha"] = cal.top_k, cal.agg, cal.alpha
         if cal.judge_mode:

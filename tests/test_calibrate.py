@@ -514,10 +514,6 @@ def test_file_records_the_judge_and_refuses_another(small_judge_cal, tmp_path):
         _eval_config(small_judge_cal)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="speceyes.cli.funnel_config does not pass --judge/--judge-max-pixels to check_setup",
-)
 def test_eval_with_the_calibrated_judge_is_accepted(small_judge_cal):
     fc = _eval_config(small_judge_cal, "--judge", "small", "--judge-max-pixels", "200704")
     assert (fc.judge, fc.judge_max_pixels) == ("small", 200704)
