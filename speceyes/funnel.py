@@ -52,7 +52,7 @@ import numpy as np
 from speceyes import gate, prompts, protocols
 from speceyes.agents.base import EMPTY, END, Agent, AgentOutcome, drive_loops
 from speceyes.backends.base import Backend, BackendError, JudgeMode, per_item
-from speceyes.images import load_image, resize_for_model
+from speceyes.images import MIN_PIXELS, load_image, resize_for_model
 from speceyes.rates import beta_alpha
 from speceyes.types import Query, Result
 
@@ -106,8 +106,8 @@ class FunnelConfig:
                     f"a judge view budget applies to the large and small judges, not "
                     f"{self.judge!r} (a prefix-shared judge must see the prompt's own image)"
                 )
-            if self.judge_max_pixels < 4 * 28 * 28:
-                raise ValueError(f"judge_max_pixels must be >= {4 * 28 * 28}")
+            if self.judge_max_pixels < MIN_PIXELS:
+                raise ValueError(f"judge_max_pixels must be >= {MIN_PIXELS}")
 
     def to_dict(self) -> dict:
         return asdict(self)

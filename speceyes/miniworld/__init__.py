@@ -31,7 +31,7 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    # Lazy on purpose: an eager import would make `python -m speceyes.miniworld.scenes` warn that
+    # Lazy on purpose: an eager import would make `python -m speceyes.miniworld.splits` warn that
     # the module was already in sys.modules before running as __main__.
     if name in __all__:
         import importlib

@@ -29,9 +29,6 @@ def export(role_dir: Path, stage: str, dest: Path, dtype: str = "float32") -> Pa
     return dest
 
 
-MODELS_DIR = Path(__file__).resolve().parent / "models"
-
-
 def bundle(small_dir: Path, large_dir: Path, dest: Path, settings: dict[str, Any]) -> Path:
     """Write both trained models (stage B, bfloat16) and the demo's ``manifest.json`` to
     ``dest`` (by default the package's ``models`` folder, which ``speceyes demo`` loads)."""

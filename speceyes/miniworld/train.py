@@ -44,7 +44,8 @@ from pathlib import Path
 
 import numpy as np
 
-from speceyes.miniworld.bundle import MODELS_DIR, stage_bundle
+from speceyes.miniworld.bundle import stage_bundle
+from speceyes.miniworld.demo import MODELS_DIR
 from speceyes.miniworld.evaluate import stage_eval
 from speceyes.miniworld.scenes import COLORS, SHAPES
 from speceyes.miniworld.tinymodel import (
