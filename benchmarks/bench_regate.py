@@ -10,6 +10,14 @@ the process CPU time (all threads), which tells a busy machine from a slow path.
 N generated V*-layout questions, regate predicts the agent phase's wall time at a tau that
 accepts about half of the tool-free answers (batch-occupancy model, and the per-query sum for
 comparison), then ``eval --mode speceyes`` at that tau measures it. Prints predicted / measured.
+Random tiny models answer in one turn, so every batched step holds a full batch and the fit cannot
+tell fixed from per-loop cost: the estimate then falls back to GPU time, an upper bound.
+
+``--real N --models DIR --data FILE`` runs the same check on trained models (the bundled mini
+world: ``--models speceyes/miniworld/models --data runs/demo/data/questions.jsonl``, written by
+``speceyes demo``) with the manifest's search agent, whose loops take 1-4 turns; it adds an
+agent-only run and compares the estimated speedup with the measured one (agent-only wall /
+speceyes wall).
 """
 
 from __future__ import annotations
@@ -51,7 +59,6 @@ def real_check(n: int, batch: int, workdir: Path) -> None:
     """Predict a speceyes run's agent wall time from a both run, then run it and compare."""
     from PIL import Image
 
-    from speceyes.bench import occupancy
     from speceyes.cli import main as cli
     from speceyes.tiny import build_tiny_model
 
@@ -71,6 +78,44 @@ def real_check(n: int, batch: int, workdir: Path) -> None:
     common = ["eval", "--bench", "vstar", "--data", str(data), "--small", str(small)]
     common += ["--large", str(large), "--batch-size", str(batch), "--no-progress"]
     common += ["--agent-max-tokens", "24", "--max-tool-calls", "2", "--top-k", "16"]
+    compare(cli, common, workdir, with_agent=False)
+
+
+def miniworld_check(n: int, models: Path, data: Path, workdir: Path) -> None:
+    """The same check on trained mini-world models with the manifest's search agent."""
+    from speceyes.cli import main as cli
+    from speceyes.factory import SEARCH_KEYS
+    from speceyes.miniworld.demo import agent_settings, load_settings
+
+    s = load_settings(models / "manifest.json")
+    lines = [ln for ln in data.read_text(encoding="utf-8").splitlines() if ln.strip()]
+    subset = workdir / "questions.jsonl"
+    # Every other line: both target sizes, so the judge sends some loops to the agent.
+    step = max(1, len(lines) // n)
+    subset.write_text("\n".join(lines[::step][:n]) + "\n", encoding="utf-8")
+    for img in {json.loads(ln)["image"] for ln in lines}:
+        dst = workdir / img
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if not dst.exists():
+            dst.symlink_to((data.parent / img).resolve())
+    a = agent_settings(s.agent)
+    search = ",".join(
+        f"{k}={int(v) if isinstance(v, bool) else v}"
+        for k, v in a.search.items()
+        if k in SEARCH_KEYS and v is not None
+    )
+    common = ["eval", "--bench", "jsonl", "--data", str(subset), "--no-progress"]
+    common += ["--small", str(models / "small"), "--large", str(models / "large")]
+    common += ["--agent", "search", "--search", search, "--batch-size", str(s.batch_size)]
+    common += ["--agent-max-tokens", str(a.max_new_tokens)]
+    common += ["--top-k", str(s.top_k), "--agg", s.agg]
+    compare(cli, common, workdir, with_agent=True)
+
+
+def compare(cli, common: list[str], workdir: Path, with_agent: bool) -> None:
+    """both run -> tau at the median tool-free confidence -> predicted vs measured speceyes run."""
+    from speceyes.bench import occupancy
+
     both = workdir / "both"
     assert cli([*common, "--mode", "both", "--tau", "0.5", "--output", str(both)]) == 0
     run = load_run(both)
@@ -81,6 +126,7 @@ def real_check(n: int, batch: int, workdir: Path) -> None:
     cost = occupancy.step_cost(run)
     predicted = occupancy.agent_wall(run, keep, cost)
     gpu_sum = float(np.nansum(run.timings["agent"][keep]))
+    row = rg.regate(run, [tau])[0]
     spec = workdir / "speceyes"
     assert cli([*common, "--mode", "speceyes", "--tau", f"{tau!r}", "--output", str(spec)]) == 0
     measured_run = load_run(spec)
@@ -95,6 +141,23 @@ def real_check(n: int, batch: int, workdir: Path) -> None:
         f"{t_both.sum():.0f} turns; speceyes run: {t_spec.sum():.0f} turns "
         f"(both run, kept loops: {t_both[keep].sum():.0f})"
     )
+    if with_agent:
+        agent_dir = workdir / "agent"
+        assert cli([*common, "--mode", "agent", "--output", str(agent_dir)]) == 0
+        wall_agent = run_wall(agent_dir)
+        wall_spec = run_wall(spec)
+        real = wall_agent / wall_spec
+        print(
+            f"speedup estimated by regate: {row.speedup:.2f}x; measured (agent-only "
+            f"{wall_agent:.1f} s / speceyes {wall_spec:.1f} s): {real:.2f}x "
+            f"(ratio {row.speedup / real:.3f})"
+        )
+
+
+def run_wall(run_dir: Path) -> float:
+    """Seconds the run's queries took, as its results.json records them."""
+    res = json.loads((run_dir / "results.json").read_text())
+    return float(res["wall_time"])
 
 
 def main() -> None:
@@ -105,10 +168,17 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--real", type=int, default=0, help="check the speedup model on N queries")
     ap.add_argument("--batch", type=int, default=8, help="--real: eval batch size")
+    ap.add_argument("--models", type=Path, help="--real: trained mini-world models folder")
+    ap.add_argument("--data", type=Path, help="--real with --models: mini-world questions.jsonl")
     args = ap.parse_args()
     if args.real:
         with tempfile.TemporaryDirectory() as tmp:
-            real_check(args.real, args.batch, Path(tmp))
+            if args.models:
+                if not args.data:
+                    ap.error("--models needs --data (run `speceyes demo` to write the questions)")
+                miniworld_check(args.real, args.models, args.data, Path(tmp))
+            else:
+                real_check(args.real, args.batch, Path(tmp))
         return
     taus = np.linspace(0.5, 0.9999, args.taus)
     with tempfile.TemporaryDirectory() as tmp:

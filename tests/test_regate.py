@@ -382,6 +382,26 @@ def test_regate_speedup_models_occupancy(tmp_path):
     assert "In-sample" in note and "batched schedule, step cost 200.0 ms + 50.0 ms" in note
 
 
+def test_equal_occupancy_is_not_fitted(tmp_path):
+    """One turn per loop in full batches: fixed and per-loop cost are proportional columns, so
+    the fit would be arbitrary; the estimate falls back to GPU time and says why."""
+    n, batch = 32, 8
+    samples = [
+        _sample(
+            i, False, 5.0, True, True, {"judge": 0.01, "small": 0.02, "agent": (FIXED + PER_LOOP * batch) / batch},
+            trace=[{"type": "assistant"}],
+        )
+        for i in range(n)
+    ]  # fmt: skip
+    run = load_run(_write(tmp_path, samples, {"schedule": "batched", "batch_size": batch}))
+    cost = occupancy.fit_step_cost(run)
+    assert not cost.fitted and "cannot be told apart" in cost.describe()
+    # One short loop in one batch gives the spread the fit needs.
+    samples[0]["trace"] = [{"type": "assistant"}] * 3
+    run = load_run(_write(tmp_path / "b", samples, {"schedule": "batched", "batch_size": batch}))
+    assert occupancy.fit_step_cost(run).fitted
+
+
 def test_gpu_time_model_states_its_assumption(both_run):
     cost = occupancy.fit_step_cost(both_run)
     assert not cost.fitted and "upper bound" in cost.describe()

@@ -39,6 +39,8 @@ GPU_TIME = (
     "batching the wall clock falls less than this when fewer loops share a step, so the "
     "speedup is an upper bound"
 )
+# Below this relative spread of the loops' mean 1/occupancy the fit is not identified.
+MIN_OCCUPANCY_SPREAD = 0.02
 _TURNS, _BATCH, _COST = ("occupancy", "turns"), ("occupancy", "batch"), ("occupancy", "cost")
 
 
@@ -185,6 +187,15 @@ def fit_step_cost(run: Run) -> StepCost:
     else:
         inv = continuous_schedule(t_ok, _max_loops(run))[1]
         how = f"continuous batching of {_max_loops(run)} loops, admitted in log order"
+    mean_inv = inv[ok] / t[ok]  # 1 / (harmonic mean of the loops in each loop's steps)
+    if np.std(mean_inv) <= MIN_OCCUPANCY_SPREAD * np.mean(mean_inv):
+        # Every loop saw the same occupancy (e.g. one turn each in full batches): the two
+        # columns are proportional, so any split of fixed vs per-loop fits equally well.
+        why = (
+            "every agent step held the same number of loops, so fixed and per-loop cost "
+            "cannot be told apart"
+        )
+        return StepCost(0.0, 0.0, "gpu-time", 0, False, f"{GPU_TIME} ({why})")
     x = np.column_stack([inv[ok], t[ok]])
     y = agent_t[ok]
     coef = _nnls2(x, y)
