@@ -219,13 +219,14 @@ def _build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m speceyes.miniworld.splits",
         description=(
-            "Generate a mini-world split: easy-VQA shapes pasted into large canvases, with "
-            "attribute, relative-position and POPE-style questions. Small-regime scenes hold "
-            "16-32 px targets on the default canvas (<= 8 px in the 448x448 view, readable "
-            "after a zoom crop); large-regime scenes hold 196-400 px targets (>= 48 view px). "
-            "Writes DIR/images/, "
-            "DIR/questions.jsonl (generic JSONL: evaluate with the 'jsonl' benchmark) and "
-            "DIR/manifest.json. Same arguments give the same files."
+            "Generate a mini-world split. Level 1 (default, the demo's world): one easy-VQA "
+            "shape per 1024x1024 scene among pastel clutter, 8 questions about it (colour, "
+            "shape, POPE random/popular/adversarial yes and no); small targets are 14-20 px "
+            "(unreadable in the small model's view, readable after a zoom crop), large ones "
+            "200-340 px. Level 2: several shapes on a 2048x1536 canvas, with attribute, "
+            "relative-position and POPE questions. Writes DIR/images/, DIR/questions.jsonl "
+            "(generic JSONL: evaluate with the 'jsonl' benchmark) and DIR/manifest.json. Same "
+            "arguments give the same files."
         ),
     )
     p.add_argument("--out", required=True, type=Path, help="output folder (created)")
@@ -240,8 +241,8 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--canvas",
         type=_parse_canvas,
-        default=DEFAULT_CANVAS,
-        help="canvas WxH in pixels (default 2048x1536; about 1024-2048 px per side)",
+        default=None,
+        help="canvas WxH in pixels (default: 1024x1024 at level 1, 2048x1536 at level 2)",
     )
     p.add_argument(
         "--small-fraction",
@@ -250,7 +251,11 @@ def _build_parser() -> argparse.ArgumentParser:
         help="share of scenes whose questioned objects are small (default 0.5)",
     )
     p.add_argument(
-        "--clutter", type=int, default=0, choices=range(4), help="pastel blob clutter, 0-3"
+        "--clutter",
+        type=int,
+        default=None,
+        choices=range(4),
+        help="pastel blob clutter, 0-3 (default: 1 at level 1, 0 at level 2)",
     )
     p.add_argument("--format", choices=("png", "jpg"), default="png", help="image format")
     p.add_argument("--workers", type=int, default=1, help="processes for rendering")
@@ -258,15 +263,22 @@ def _build_parser() -> argparse.ArgumentParser:
         "--level",
         type=int,
         choices=(1, 2),
-        default=2,
-        help="1: one target shape per scene among pastel clutter (use --canvas 1024x1024 "
-        "--clutter 1, the demo's world); 2: the multi-object world (default)",
+        default=1,
+        help="1: one target shape per scene among pastel clutter (default, the demo's "
+        "world); 2: the multi-object world",
     )
     return p
 
 
 def main(argv: Iterable[str] | None = None) -> int:
+    from speceyes.miniworld.level1 import LEVEL1_CANVAS, LEVEL1_CLUTTER
+
     args = _build_parser().parse_args(None if argv is None else list(argv))
+    level1 = args.level == 1
+    if args.canvas is None:
+        args.canvas = LEVEL1_CANVAS if level1 else DEFAULT_CANVAS
+    if args.clutter is None:
+        args.clutter = LEVEL1_CLUTTER if level1 else 0
     manifest = make_split(
         args.out,
         split=args.split,
