@@ -98,7 +98,9 @@ def test_stages_run_save_and_resume(tmp_path):
         assert torch.equal(got, want.to(torch.bfloat16).float()), name
     msgs = prompts.small_messages(make_scene(), "What color is the square?")
     (ans,) = bundled.answer([msgs], max_new_tokens=3, top_k=5)
-    assert ans.topk.shape == (len(ans.token_ids), 5) and torch.isfinite(torch.tensor(ans.topk)).all()
+    assert (
+        ans.topk.shape == (len(ans.token_ids), 5) and torch.isfinite(torch.tensor(ans.topk)).all()
+    )
 
 
 def test_large_role_trains_judge_and_zoom_turns(tmp_path):
@@ -307,3 +309,26 @@ def test_init_from_carries_the_auxiliary_heads(tmp_path):
         assert torch.equal(got["aux"][k], v)
     diff = [k for k, v in src["model"].items() if not torch.equal(got["model"][k], v)]
     assert not diff, diff
+
+
+def test_stage_b_stopped_by_max_steps_resumes_from_its_step(tmp_path):
+    import torch
+
+    b = ["--stage", "B", "--scenes", "1", "--pack", "2"]
+    ck = tmp_path / "small" / "stage_B" / "ckpt.pt"
+    _run(tmp_path, *b, "--max-steps", "2")
+    first = M.load_ckpt(ck)
+    assert first["step"] == 2
+    # A resume with no steps left restores the saved weights and heads and writes them back.
+    _run(tmp_path, *b, "--max-steps", "2", "--resume")
+    same = M.load_ckpt(ck)
+    assert same["step"] == 2
+    for key in ("model", "aux"):
+        assert all(torch.equal(same[key][k], v) for k, v in first[key].items()), key
+    _run(tmp_path, *b, "--max-steps", "4", "--resume")
+    assert M.load_ckpt(ck)["step"] == 4
+    log = _log(tmp_path / "small")
+    assert [r["step"] for r in log if r.get("stage") == "B" and "loss" in r] == [1, 2, 3, 4]
+    assert [r["step"] for r in log if r.get("event") == "resume"] == [2, 2]
+    assert [r["step"] for r in log if r.get("event") == "end"] == [2, 2, 4]
+    assert all(math.isfinite(r["lm"]) and math.isfinite(r["aux"]) for r in log if "lm" in r)

@@ -7,10 +7,13 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from speceyes.miniworld.tinymodel import load_backend, load_ckpt
 from speceyes.miniworld.traindata import CANVAS
+
+if TYPE_CHECKING:
+    from speceyes.miniworld.trainconfig import TrainConfig
 
 
 def export(role_dir: Path, stage: str, dest: Path, dtype: str = "float32") -> Path:
@@ -47,8 +50,8 @@ def bundle(small_dir: Path, large_dir: Path, dest: Path, settings: dict[str, Any
     return dest
 
 
-def stage_bundle(args) -> None:
-    settings = json.loads(args.settings.read_text()) if args.settings else {}
-    dest = bundle(args.small_dir, args.large_dir, args.dest, settings)
+def stage_bundle(cfg: TrainConfig) -> None:
+    settings = json.loads(cfg.settings.read_text()) if cfg.settings else {}
+    dest = bundle(cfg.small_dir, cfg.large_dir, cfg.dest, settings)
     size = sum(f.stat().st_size for f in dest.rglob("*") if f.is_file())
     print(f"bundled into {dest} ({size / 1e6:.1f} MB)")

@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from speceyes import prompts
 from speceyes.miniworld.bundle import export
 from speceyes.miniworld.tinymodel import load_backend, log_event
 from speceyes.miniworld.traindata import make_questions
+
+if TYPE_CHECKING:
+    from speceyes.miniworld.trainconfig import TrainConfig
 
 
 def _correct(pred: str, gold: str) -> bool:
@@ -57,15 +61,15 @@ def evaluate(
     return out
 
 
-def stage_eval(args, role_dir: Path) -> dict:
+def stage_eval(cfg: TrainConfig, role_dir: Path) -> dict:
     dest = role_dir / "export"
-    export(role_dir, args.from_stage, dest)
+    export(role_dir, cfg.from_stage, dest)
     t = time.time()
-    res = evaluate(dest, args.role, args.val_scenes, seed=args.seed, level=args.level)
+    res = evaluate(dest, cfg.role, cfg.val_scenes, seed=cfg.seed, level=cfg.level)
     rec = {
         "stage": "eval",
-        "from": args.from_stage,
-        "scenes": args.val_scenes,
+        "from": cfg.from_stage,
+        "scenes": cfg.val_scenes,
         "seconds": round(time.time() - t, 1),
         **res,
     }
