@@ -316,12 +316,8 @@ class Funnel:
 
     def _prefix_judge_messages(self, image: Any, question: str, options: Any) -> list[dict]:
         """The agent's own first-turn messages, then the judge question as a user turn."""
-        loop = self.agent.start_loop(Query(id="judge", image=image, question=question,
-                                           options=options))
-        first = getattr(loop, "messages", None)
-        if first is None:  # the search agent scores crops first; its answer turn is DeepEyes'
-            first = prompts.deepeyes_messages(image, question, options)
-        return [*first, _judge_turn()]
+        query = Query(id="judge", image=image, question=question, options=options)
+        return [*self.agent.first_messages(query), _judge_turn()]
 
     def _no_judge(self, live: dict[int, Query], results: dict[int, Result]) -> list[int]:
         """``judge="none"``: every live query goes to the small model and the gate."""
@@ -347,8 +343,12 @@ class Funnel:
         try:
             got = per_item(
                 lambda m: protocols.small_answers(
-                    self.small, m, cfg.protocol, max_new_tokens=cfg.max_new_tokens,
-                    top_k=cfg.top_k, agg=cfg.agg,
+                    self.small,
+                    m,
+                    cfg.protocol,
+                    max_new_tokens=cfg.max_new_tokens,
+                    top_k=cfg.top_k,
+                    agg=cfg.agg,
                 ),
                 msgs,
             )

@@ -115,9 +115,33 @@ def test_prefix_judge_with_the_search_agent_uses_its_deepeyes_answer_prompt(rig)
     f, res, log = run(rig, agent_cls=SearchAgent, judge="prefix", tau=0.0)
     (judge,) = calls(log, "large", "judge")
     q = queries()[0]
-    expected = prompts.deepeyes_messages(judge[2][0][1]["content"][0]["image"], q.question,
-                                         q.options)
+    expected = prompts.deepeyes_messages(
+        judge[2][0][1]["content"][0]["image"], q.question, q.options
+    )
     assert judge[2][0][:-1] == expected
+
+
+def test_first_messages_are_the_first_call_without_side_effects(rig):
+    """Every agent's first_messages (what the prefix judge extends) equals the conversation its
+    loop opens with; the code agent builds it without staging the image for its sandbox."""
+    from speceyes.agents.code import CodeAgent
+
+    _, _, large = rig
+    agent = CodeAgent(large, max_new_tokens=8, max_tool_calls=1)
+    try:
+        q = queries(1)[0]
+        first = agent.first_messages(q)
+        assert agent._tmp is None  # nothing written
+        assert first[0]["content"] == prompts.THYME_SYSTEM
+        loop = agent.start_loop(q)
+        try:
+            assert loop.messages == first
+        finally:
+            agent._end(loop)
+    finally:
+        agent.close()
+    zoom = ZoomAgent(large, max_new_tokens=8)
+    assert zoom.first_messages(q) == zoom.start_loop(q).messages
 
 
 def test_small_prefix_judge_continues_the_answer_prompt(rig):
@@ -186,8 +210,21 @@ def test_cli_flags_reach_the_config():
     from speceyes.cli import build_parser, funnel_config
 
     args = build_parser().parse_args(
-        ["eval", "--bench", "jsonl", "--data", "x.jsonl", "--small", "s", "--large", "l",
-         "--judge", "small", "--judge-max-pixels", "200704"]
+        [
+            "eval",
+            "--bench",
+            "jsonl",
+            "--data",
+            "x.jsonl",
+            "--small",
+            "s",
+            "--large",
+            "l",
+            "--judge",
+            "small",
+            "--judge-max-pixels",
+            "200704",
+        ]
     )
     cfg = funnel_config(args)
     assert cfg.judge == "small" and cfg.judge_max_pixels == 200704
@@ -214,17 +251,37 @@ def test_bench_judge_variants_runs_on_a_folder(tiny_dirs, tmp_path, capsys):
     rows = []
     for i, q in enumerate(queries(3)):
         q.image.save(tmp_path / f"{q.id}.png")
-        rows.append({"id": q.id, "image": f"{q.id}.png", "question": q.question,
-                     "options": q.options, "answer": "A" if i % 2 else "B"})
+        rows.append(
+            {
+                "id": q.id,
+                "image": f"{q.id}.png",
+                "question": q.question,
+                "options": q.options,
+                "answer": "A" if i % 2 else "B",
+            }
+        )
     data = tmp_path / "questions.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "variants.json"
     bench = _bench_module()
-    rc = bench.main([
-        "--data", str(data), "--small", str(tiny_dirs["qwen3_vl"]),
-        "--large", str(tiny_dirs["qwen2_5_vl"]), "--agent-max-tokens", "8", "--tau", "0.5",
-        "--view-budgets", "50176", "--json", str(out),
-    ])
+    rc = bench.main(
+        [
+            "--data",
+            str(data),
+            "--small",
+            str(tiny_dirs["qwen3_vl"]),
+            "--large",
+            str(tiny_dirs["qwen2_5_vl"]),
+            "--agent-max-tokens",
+            "8",
+            "--tau",
+            "0.5",
+            "--view-budgets",
+            "50176",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     printed = capsys.readouterr().out
     assert "| large@50176px |" in printed and "alpha_tool" in printed

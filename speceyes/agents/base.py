@@ -60,6 +60,11 @@ class Agent(Protocol):
 
     def advance(self, loops: Sequence[Any]) -> None: ...
 
+    def first_messages(self, query: Any) -> list[dict]:
+        """The conversation its first model call sends for ``query``, with no side effects
+        (the prefix judge puts its question after it, so a server's prefix cache is shared)."""
+        ...
+
 
 EMPTY = object()  # ``take`` of drive_loops: nothing to take right now
 END = object()  # ``take`` of drive_loops: nothing more will come

@@ -329,6 +329,12 @@ def _raw_file(src: Any, image: Image.Image) -> tuple[str | None, bytes | None, s
     return (None, data, ext) if data is not None else (os.fspath(src), None, "")
 
 
+def _staged_name(query: Query, ext: str) -> str:
+    """File name of an image the loop writes out for the code (no file of its own to hand over)."""
+    stem = Sandbox.image_name_in_sandbox(str(query.id)).rsplit(".", 1)[0]
+    return stem + (ext or ".png")
+
+
 class CodeAgent(LoopAgent):
     """Thyme's code-writing loop over any backend, with a process sandbox."""
 
@@ -412,28 +418,35 @@ class CodeAgent(LoopAgent):
         if path is None:
             # The code gets the original pixels: the encoded bytes, else a lossless upright copy.
             tmpdir = tempfile.mkdtemp(dir=self._tmpdir())
-            stem = Sandbox.image_name_in_sandbox(str(query.id)).rsplit(".", 1)[0]
-            path = os.path.join(tmpdir, stem + (ext or ".png"))
+            path = os.path.join(tmpdir, _staged_name(query, ext))
             if data is not None:
                 Path(path).write_bytes(data)
             else:
                 image.save(path, format="PNG", compress_level=1)
         name = Sandbox.image_name_in_sandbox(path)
+        return _Loop(query, image, path, name, self._messages(query, image, name), tmpdir=tmpdir)
+
+    def first_messages(self, query: Query) -> Messages:
+        """The conversation of the loop's first call, without staging the image for the code."""
+        image = load_image(query.image, copy=False)
+        path, _, ext = _raw_file(query.image, image)
+        name = Sandbox.image_name_in_sandbox(path or _staged_name(query, ext))
+        return self._messages(query, image, name)
+
+    def _messages(self, query: Query, image: Image.Image, name: str) -> Messages:
         if self.protocol == "published":
             kind = "yorn" if _question_kind(query) == "yorn" else None
             question = protocols.published_thyme_question(query.question, query.options, kind)
             text = prompts.THYME_USER_TEMPLATE.format(
                 question=question, image_path=name, image_size=f"{image.width}x{image.height}"
             )
-            base = [
+            return [
                 {"role": "system", "content": prompts.THYME_SYSTEM},
                 {"role": "user", "content": [prompts.image_part(image), prompts.text_part(text)]},
             ]
-        else:
-            base = prompts.thyme_messages(
-                image, query.question, query.options, name, image.size, _question_kind(query)
-            )
-        return _Loop(query, image, path, name, base, tmpdir=tmpdir)
+        return prompts.thyme_messages(
+            image, query.question, query.options, name, image.size, _question_kind(query)
+        )
 
     def _append(self, loop: _Loop, *parts: dict[str, Any]) -> None:
         loop.parts.extend(parts)
@@ -620,7 +633,9 @@ class CodeAgent(LoopAgent):
         elif res.stdout.strip():
             self._output(loop, prompts.text_part(res.stdout.strip()))
         else:
-            self._output(loop, prompts.text_part(f"Sandbox for {loop.case_id}: No output captured."))
+            self._output(
+                loop, prompts.text_part(f"Sandbox for {loop.case_id}: No output captured.")
+            )
 
     def _execute(self, jobs: list[tuple[_Loop, str, str]]) -> None:
         def run(job: tuple[_Loop, str, str]) -> SandboxResult | Exception:

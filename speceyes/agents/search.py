@@ -298,6 +298,12 @@ class SearchAgent(LoopAgent):
             out.answer, lp.done = ans, True
 
     # ---- incremental API ---------------------------------------------------------------------
+    def first_messages(self, query: Query) -> Messages:
+        """The DeepEyes conversation on the full image: the search's own first calls score
+        crops, so the shape its answer turn extends is the prefix that can be shared."""
+        image = load_image(query.image, copy=False)
+        return prompts.deepeyes_messages(image, query.question, query.options)
+
     def start_loop(self, query: Query) -> _Loop:
         """Open a loop for ``query``; raises ImageError/ValueError for an unusable image."""
         image = load_image(query.image, copy=False)

@@ -55,9 +55,7 @@ def parse_tool_call(text: str) -> dict[str, Any]:
         raise ToolCallError('the tool call must be a JSON object {"name": ..., "arguments": {...}}')
     name = call.get("name")
     if name != prompts.ZOOM_TOOL_NAME:
-        raise ToolCallError(
-            f"unknown tool {name!r}; the only tool is {prompts.ZOOM_TOOL_NAME!r}"
-        )
+        raise ToolCallError(f"unknown tool {name!r}; the only tool is {prompts.ZOOM_TOOL_NAME!r}")
     args = call.get("arguments")
     if isinstance(args, str):  # some models double-encode the arguments
         try:
@@ -141,6 +139,10 @@ class ZoomAgent(LoopAgent):
             messages=prompts.deepeyes_messages(image, query.question, query.options),
         )
 
+    def first_messages(self, query: Query) -> Messages:
+        """The conversation of the loop's first call (what a prefix-caching server reuses)."""
+        return self._start(query).messages
+
     def _zoom(self, loop: _Loop, args: dict[str, Any]) -> Image.Image:
         b = self.backend
         crop, _, box = zoom_crop(
@@ -154,8 +156,13 @@ class ZoomAgent(LoopAgent):
             min_size=self.min_box,
         )
         loop.outcome.trace.append(
-            {"type": "zoom", "bbox_2d": args["bbox_2d"], "label": args["label"],
-             "crop_box": list(box), "crop_size": [crop.width, crop.height]}
+            {
+                "type": "zoom",
+                "bbox_2d": args["bbox_2d"],
+                "label": args["label"],
+                "crop_box": list(box),
+                "crop_size": [crop.width, crop.height],
+            }
         )
         return crop
 
@@ -201,7 +208,10 @@ class ZoomAgent(LoopAgent):
         left, top, right, bottom = call["arguments"]["bbox_2d"]
         v = loop.view
         left, top = max(int(left * v.scale_x), 0), max(int(top * v.scale_y), 0)
-        right, bottom = min(int(right * v.scale_x), v.orig_w), min(int(bottom * v.scale_y), v.orig_h)
+        right, bottom = (
+            min(int(right * v.scale_x), v.orig_w),
+            min(int(bottom * v.scale_y), v.orig_h),
+        )
         crop = loop.image.crop((left, top, right, bottom))  # ValueError when inverted
         w, h = protocols.published_smart_resize(right - left, bottom - top)  # 0 px: ZeroDivision
         loop.outcome.trace.append(
