@@ -9,6 +9,9 @@ import sys
 from collections.abc import Sequence
 
 from speceyes import gate, limits
+from speceyes.factory import AGENTS
+from speceyes.funnel import JUDGES, MODES, SCHEDULES
+from speceyes.protocols import PROTOCOLS
 
 ROUTE_TEXT = {
     "small": "small model (judged tool-free, accepted by the gate)",
@@ -57,14 +60,14 @@ def add_funnel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--mode",
         default="speceyes",
-        choices=["speceyes", "agent", "small", "both", "specreason"],
+        choices=MODES,
         help="speceyes (default), agent only, small only, both (log everything), or the "
         "SpecReason baseline (small model proposes each agent step, large model scores it)",
     )
     g.add_argument(
         "--agent",
         default="deepeyes",
-        choices=["deepeyes", "thyme", "search"],
+        choices=AGENTS,
         help="agent loop of the large model: deepeyes (zoom tool calls, default), thyme "
         "(Python code run in a process sandbox), or search (training-free zoom search scored "
         "by the model's own P(yes) per region)",
@@ -98,7 +101,7 @@ def add_funnel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--judge",
         default="large",
-        choices=["large", "prefix", "small", "small-prefix", "none"],
+        choices=JUDGES,
         help="phase I: large (published: the large model's judge prompt), prefix (the large "
         "model, the judge question after the agent's own first-turn prompt, so a server with "
         "prefix caching reuses that prefill for the agent), small (the small model's judge), "
@@ -115,7 +118,7 @@ def add_funnel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--protocol",
         default="fair",
-        choices=["fair", "published"],
+        choices=PROTOCOLS,
         help="fair (default): our prompts and rules; published: the released SpecEyes code's "
         "question blocks, prompts, judge rule, view cap, loop rules and batch size 6 (see README "
         "'What is exact')",
@@ -126,7 +129,7 @@ def add_funnel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--schedule",
         default="batched",
-        choices=["batched", "pipelined"],
+        choices=SCHEDULES,
         help="pipelined: phases I-III of later batches run while agent loops continue, and "
         "agent loops join one continuous batch (results in completion order)",
     )
@@ -601,7 +604,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--bench", required=True, help="vstar | hrbench | pope | jsonl")
     pr.add_argument("--data", required=True, help="benchmark folder or file")
     pr.add_argument("--limit", type=int, default=1, help="first N queries (default 1)")
-    pr.add_argument("--protocol", default="fair", choices=["fair", "published"])
+    pr.add_argument("--protocol", default="fair", choices=PROTOCOLS)
     pr.add_argument("--agent", default="deepeyes", choices=["deepeyes", "thyme"])
     pr.add_argument("--no-shuffle", action="store_true", help="V*: original option order")
     pr.add_argument("--seed", type=int, default=0, help="V*: option shuffle seed")
@@ -615,7 +618,7 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument(
         "--protocol",
         default=None,
-        choices=["fair", "published"],
+        choices=PROTOCOLS,
         help="rescore the logged answers by the fair rules or by the published judge scripts' "
         "rules (errors dropped, loose letter matching, LLM-judge fallbacks)",
     )

@@ -66,12 +66,12 @@ from typing import Any
 
 import numpy as np
 
+from speceyes.funnel import JUDGES  # the same variants the funnel runs
 from speceyes.images import smart_resize
 from speceyes.rates import analytic_latency
 
 SCHEDULES: tuple[str, ...] = ("agent-only", "agent-only-2gpu", "published", "speceyes")
 IDEAL = "ideal"
-JUDGES: tuple[str, ...] = ("large", "prefix", "small", "small-prefix", "none")
 DEFAULT_CONCURRENCIES: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 DEFAULT_BETA = 0.8
 DEFAULT_ALPHA = 0.71
