@@ -15,9 +15,9 @@ tell fixed from per-loop cost: the estimate then falls back to GPU time, an uppe
 
 ``--real N --models DIR --data FILE`` runs the same check on trained models (the bundled mini
 world: ``--models speceyes/miniworld/models --data runs/demo/data/questions.jsonl``, written by
-``speceyes demo``) with the manifest's search agent, whose loops take 1-4 turns; it adds an
-agent-only run and compares the estimated speedup with the measured one (agent-only wall /
-speceyes wall).
+``speceyes demo``) with the manifest's search agent and ``stay=1``, whose loops take 1-4 turns;
+it adds an agent-only run and compares the estimated speedup with the measured one (agent-only
+wall / speceyes wall).
 """
 
 from __future__ import annotations
@@ -99,6 +99,9 @@ def miniworld_check(n: int, models: Path, data: Path, workdir: Path) -> None:
         if not dst.exists():
             dst.symlink_to((data.parent / img).resolve())
     a = agent_settings(s.agent)
+    # stay=1: loops stop at different depths (1-4 turns), so batch occupancy varies from step to
+    # step, which is what the occupancy model has to get right.
+    a.search["stay"] = True
     search = ",".join(
         f"{k}={int(v) if isinstance(v, bool) else v}"
         for k, v in a.search.items()
