@@ -88,16 +88,14 @@ def miniworld_check(n: int, models: Path, data: Path, workdir: Path) -> None:
     from speceyes.miniworld.demo import agent_settings, load_settings
 
     s = load_settings(models / "manifest.json")
-    lines = [ln for ln in data.read_text(encoding="utf-8").splitlines() if ln.strip()]
+    rows = [json.loads(ln) for ln in data.read_text(encoding="utf-8").splitlines() if ln.strip()]
+    # Evenly spaced rows: both target sizes, so the judge sends some loops to the agent. Image
+    # paths become absolute (the loader takes them relative to the file's own folder).
+    rows = rows[:: max(1, len(rows) // n)][:n]
+    for r in rows:
+        r["image"] = str((data.parent / r["image"]).resolve())
     subset = workdir / "questions.jsonl"
-    # Every other line: both target sizes, so the judge sends some loops to the agent.
-    step = max(1, len(lines) // n)
-    subset.write_text("\n".join(lines[::step][:n]) + "\n", encoding="utf-8")
-    for img in {json.loads(ln)["image"] for ln in lines}:
-        dst = workdir / img
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        if not dst.exists():
-            dst.symlink_to((data.parent / img).resolve())
+    subset.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     a = agent_settings(s.agent)
     # stay=1: loops stop at different depths (1-4 turns), so batch occupancy varies from step to
     # step, which is what the occupancy model has to get right.

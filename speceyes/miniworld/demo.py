@@ -214,14 +214,15 @@ def build_standin_models(dest: Path, seed: int = 0, size: Any = None) -> Path:
 def split_key(
     settings: DemoSettings, scenes: int, seed: int, split: str = "test"
 ) -> dict[str, Any]:
-    from speceyes.miniworld.level1 import LEVEL1_CLUTTER, LEVEL1_VERSION
+    from speceyes.miniworld.level1 import LEVEL1_VERSION
     from speceyes.miniworld.scenes import GENERATOR_VERSION
+    from speceyes.miniworld.splits import level_defaults
 
     level1 = settings.level == 1
     return {
         "generator": LEVEL1_VERSION if level1 else GENERATOR_VERSION,
         "level": settings.level,
-        "clutter": LEVEL1_CLUTTER if level1 else 0,
+        "clutter": level_defaults(settings.level)[1],
         "split": split,
         "seed": seed,
         "n_scenes": scenes,

@@ -14,6 +14,15 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from speceyes.miniworld.level1 import (
+    LEVEL1_CANVAS,
+    LEVEL1_CLUTTER,
+    LEVEL1_SIDE,
+    LEVEL1_VERSION,
+    generate_level1_scene,
+    level1_rng,
+    level1_sides,
+)
 from speceyes.miniworld.scenes import (
     CATEGORIES,
     DEFAULT_CANVAS,
@@ -36,8 +45,6 @@ def _scene_job(job: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str
     split, index, scene_id = job["split"], job["index"], job["scene_id"]
     pool = load_pool(SOURCE_SPLIT[split])
     if job.get("level", 2) == 1:
-        from speceyes.miniworld.level1 import generate_level1_scene, level1_rng
-
         rng = level1_rng(split, job["seed"], index)
         scene = generate_level1_scene(
             rng, pool, tuple(job["canvas"]), job["regime"], clutter=job["clutter"]
@@ -110,8 +117,6 @@ def make_split(
         raise ValueError(f"level must be 1 or 2, got {level}")
     canvas = (int(canvas[0]), int(canvas[1]))
     if level == 1:
-        from speceyes.miniworld.level1 import LEVEL1_VERSION, level1_sides
-
         ranges = level1_sides(canvas)
     else:
         ranges = size_ranges(canvas)  # fail early on an unusable canvas
@@ -215,16 +220,27 @@ def _parse_canvas(text: str) -> tuple[int, int]:
     return int(m.group(1)), int(m.group(2))
 
 
+def level_defaults(level: int) -> tuple[tuple[int, int], int]:
+    """(canvas, clutter) of a level's scenes unless told otherwise."""
+    return (LEVEL1_CANVAS, LEVEL1_CLUTTER) if level == 1 else (DEFAULT_CANVAS, 0)
+
+
+def _wxh(canvas: tuple[int, int]) -> str:
+    return f"{canvas[0]}x{canvas[1]}"
+
+
 def _build_parser() -> argparse.ArgumentParser:
+    small, large = LEVEL1_SIDE["small"], LEVEL1_SIDE["large"]
     p = argparse.ArgumentParser(
         prog="python -m speceyes.miniworld.splits",
         description=(
             "Generate a mini-world split. Level 1 (default, the demo's world): one easy-VQA "
-            "shape per 1024x1024 scene among pastel clutter, 8 questions about it (colour, "
-            "shape, POPE random/popular/adversarial yes and no); small targets are 14-20 px "
-            "(unreadable in the small model's view, readable after a zoom crop), large ones "
-            "200-340 px. Level 2: several shapes on a 2048x1536 canvas, with attribute, "
-            "relative-position and POPE questions. Writes DIR/images/, DIR/questions.jsonl "
+            f"shape per {_wxh(LEVEL1_CANVAS)} scene among pastel clutter, 8 questions about it "
+            "(colour, shape, POPE random/popular/adversarial yes and no); small targets are "
+            f"{small[0]}-{small[1]} px (unreadable in the small model's view, readable after a "
+            f"zoom crop), large ones {large[0]}-{large[1]} px. Level 2: several shapes on a "
+            f"{_wxh(DEFAULT_CANVAS)} canvas, with attribute, relative-position and POPE "
+            "questions. Writes DIR/images/, DIR/questions.jsonl "
             "(generic JSONL: evaluate with the 'jsonl' benchmark) and DIR/manifest.json. Same "
             "arguments give the same files."
         ),
@@ -242,7 +258,8 @@ def _build_parser() -> argparse.ArgumentParser:
         "--canvas",
         type=_parse_canvas,
         default=None,
-        help="canvas WxH in pixels (default: 1024x1024 at level 1, 2048x1536 at level 2)",
+        help=f"canvas WxH in pixels (default: {_wxh(LEVEL1_CANVAS)} at level 1, "
+        f"{_wxh(DEFAULT_CANVAS)} at level 2)",
     )
     p.add_argument(
         "--small-fraction",
@@ -255,7 +272,7 @@ def _build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         choices=range(4),
-        help="pastel blob clutter, 0-3 (default: 1 at level 1, 0 at level 2)",
+        help=f"pastel blob clutter, 0-3 (default: {LEVEL1_CLUTTER} at level 1, 0 at level 2)",
     )
     p.add_argument("--format", choices=("png", "jpg"), default="png", help="image format")
     p.add_argument("--workers", type=int, default=1, help="processes for rendering")
@@ -271,14 +288,12 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Iterable[str] | None = None) -> int:
-    from speceyes.miniworld.level1 import LEVEL1_CANVAS, LEVEL1_CLUTTER
-
     args = _build_parser().parse_args(None if argv is None else list(argv))
-    level1 = args.level == 1
+    canvas, clutter = level_defaults(args.level)
     if args.canvas is None:
-        args.canvas = LEVEL1_CANVAS if level1 else DEFAULT_CANVAS
+        args.canvas = canvas
     if args.clutter is None:
-        args.clutter = LEVEL1_CLUTTER if level1 else 0
+        args.clutter = clutter
     manifest = make_split(
         args.out,
         split=args.split,
