@@ -54,7 +54,11 @@ class Loop(Protocol):
 class Agent(Protocol):
     """What the schedulers need of an agent: open loops and advance many by one batched turn."""
 
-    name: str
+    name: str  # the one name it is registered and chosen under
+    default_tau: float  # the gate threshold used when none is given
+    # whether its first prompt can be shared with the prefix judge (a prefix cache then serves
+    # the agent's first turn from the judge's prefill)
+    shares_first_prompt: bool
 
     def start_loop(self, query: Any) -> Loop: ...
 
@@ -126,6 +130,8 @@ class LoopAgent:
     each loop that finished (``_end``); ``run`` drives whole queries through ``drive_loops``."""
 
     name: str
+    default_tau: float = 0.98
+    shares_first_prompt: bool = True
     max_new_tokens: int
 
     def start_loop(self, query: Any) -> Any:  # pragma: no cover - implemented by agents

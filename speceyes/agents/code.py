@@ -339,6 +339,9 @@ class CodeAgent(LoopAgent):
     """Thyme's code-writing loop over any backend, with a process sandbox."""
 
     name = "thyme"
+    default_tau = 0.95
+    # its first prompt names a per-run sandbox file, so no judge can share it
+    shares_first_prompt = False
 
     def __init__(
         self,
