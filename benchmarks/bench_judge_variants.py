@@ -115,10 +115,10 @@ def _setup(args: argparse.Namespace) -> tuple[Any, Any, Any, FunnelConfig]:
 
 
 def _queries(args: argparse.Namespace) -> list[Query]:
-    from speceyes.bench.datasets import canonical_bench, load_benchmark
+    from speceyes.bench.benchmarks import get
 
     out = []
-    for q in load_benchmark(canonical_bench(args.bench), args.data):
+    for q in get(args.bench).load(args.data):
         if args.limit is not None and len(out) >= args.limit:
             break
         out.append(q)

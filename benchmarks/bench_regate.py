@@ -32,7 +32,8 @@ from pathlib import Path
 import numpy as np
 
 from speceyes.bench import regate as rg
-from speceyes.bench.runlog import SAMPLES_FILE, load_run
+from speceyes.bench.runlog import load_run
+from speceyes.rundir import RunDir
 
 # Its synthetic runs come from the test tools: run from a checkout (repo root on the path).
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -157,8 +158,7 @@ def compare(cli, common: list[str], workdir: Path, with_agent: bool) -> None:
 
 def run_wall(run_dir: Path) -> float:
     """Seconds the run's queries took, as its results.json records them."""
-    res = json.loads((run_dir / "results.json").read_text())
-    return float(res["wall_time"])
+    return float(RunDir(run_dir).read_results()["wall_time"])
 
 
 def main() -> None:
@@ -186,7 +186,7 @@ def main() -> None:
         run_dir = Path(tmp) / "run"
         # 1-9 tokens per answer: about 5 on average.
         write_synthetic_run(run_dir, args.n, k_logged=args.k, tokens=(1, 10), seed=0)
-        size_mb = (run_dir / SAMPLES_FILE).stat().st_size / 1e6
+        size_mb = RunDir(run_dir).samples_file.stat().st_size / 1e6
         print(f"log: {args.n} queries, K={args.k}, {size_mb:.1f} MB samples.jsonl")
         passes = [one_pass(run_dir, taus, args.k) for _ in range(args.repeats)]
     for i, p in enumerate(passes):

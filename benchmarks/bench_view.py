@@ -18,7 +18,7 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw
 
-from speceyes.bench.runlog import SAMPLES_FILE
+from speceyes.rundir import SAMPLES_FILE
 from speceyes.view import build_view
 
 # Its synthetic run comes from the test tools: run from a checkout (repo root on the path).

@@ -291,16 +291,10 @@ def cmd_ask(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from speceyes.bench.datasets import canonical_bench, load_benchmark
+    from speceyes.bench.benchmarks import load_from_args
     from speceyes.bench.runner import EvalSpec, run_eval
 
-    bench = canonical_bench(args.bench)
-    loader_kw: dict = {}
-    if bench == "vstar":
-        loader_kw = {"shuffle": not args.no_shuffle, "seed": args.seed}
-    elif bench == "pope":
-        loader_kw = {k: v for k, v in (("split", args.split), ("image_dir", args.image_dir)) if v}
-    queries = load_benchmark(bench, args.data, **loader_kw)
+    bench, loader_kw, queries = load_from_args(args)
     first = next(queries, None)  # surface a bad --data before any model is loaded
     if first is None:
         raise ValueError(f"no queries found in {args.data}")
@@ -349,16 +343,10 @@ def _floats(text: str) -> list[float]:
 
 
 def cmd_prompts(args: argparse.Namespace) -> int:
-    from speceyes.bench.datasets import canonical_bench, load_benchmark
+    from speceyes.bench.benchmarks import load_from_args
     from speceyes.prompt_dump import dump_prompts
 
-    bench = canonical_bench(args.bench)
-    loader_kw: dict = {}
-    if bench == "vstar":
-        loader_kw = {"shuffle": not args.no_shuffle, "seed": args.seed}
-    elif bench == "pope":
-        loader_kw = {k: v for k, v in (("split", args.split), ("image_dir", args.image_dir)) if v}
-    queries = load_benchmark(bench, args.data, **loader_kw)
+    queries = load_from_args(args).queries
     print(json.dumps(dump_prompts(queries, args.limit, args.protocol, args.agent), indent=1))
     return 0
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import html
-import inspect
 import json
 import math
 import os
@@ -34,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from speceyes.rates import beta_alpha_of
-from speceyes.types import RESULTS_FILE, RUN_CONFIG_FILE, SAMPLES_FILE
+from speceyes.rundir import RunDir, RunDirError, ScanReport, read_json, scan_lines
 
 IMG_DIR = "img"
 IMG_INDEX = "index.json"
@@ -89,14 +88,15 @@ def read_run(path: str | Path, name: str | None = None) -> RunData:
     if not path.is_dir():
         raise ViewError(f"not a run folder: {path}")
     notes: list[str] = []
-    state = _read_json(path / RUN_CONFIG_FILE, notes)
-    results = _read_json(path / RESULTS_FILE, notes)
-    samples = _read_samples(path / SAMPLES_FILE, notes)
+    run_dir = RunDir(path)
+    state = _read_json(run_dir.config_file, notes)
+    results = _read_json(run_dir.results_file, notes)
+    samples = _read_samples(run_dir.samples_file, notes)
     if not results:
-        if (path / RUN_CONFIG_FILE).is_file() or samples:
+        if run_dir.config_file.is_file() or samples:
             notes.append(
-                f"{path / RESULTS_FILE} is missing: the run is still being written or was stopped; "
-                f"the summary is computed from the {len(samples)} queries logged so far"
+                f"{run_dir.results_file} is missing: the run is still being written or was "
+                f"stopped; the summary is computed from the {len(samples)} queries logged so far"
             )
         else:
             notes.append(f"{path} holds no run.json and no results.json: not an evaluation run?")
@@ -108,44 +108,33 @@ def _read_json(path: Path, notes: list[str]) -> dict[str, Any]:
     if not path.is_file():
         return {}
     try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        notes.append(f"{path}: not valid JSON ({e}); ignored")
+        return read_json(path)
+    except RunDirError as e:
+        notes.append(f"{e}; ignored")
         return {}
-    if not isinstance(value, dict):
-        notes.append(f"{path}: expected a JSON object; ignored")
-        return {}
-    return value
 
 
 def _read_samples(path: Path, notes: list[str]) -> list[dict[str, Any]]:
+    """The logged queries, read leniently under the run folder's torn-line rule."""
     if not path.is_file():
         notes.append(f"{path} is missing: no queries to show")
         return []
-    data = path.read_bytes()
-    lines = data.split(b"\n")
-    torn_tail = bool(data) and not data.endswith(b"\n")  # a writer is mid-line, or was killed
+    lines = enumerate(path.read_bytes().split(b"\n"), 1)
+    report = ScanReport()
     by_id: dict[str, dict[str, Any]] = {}
-    bad: list[int] = []
     repeated = 0
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        obj = _parse_line(line)
-        if obj is None:
-            if torn_tail and i == len(lines) - 1:
-                notes.append(
-                    f"{path}: the last line is cut off (the run is still being written or was "
-                    "killed); skipped"
-                )
-            else:
-                bad.append(i + 1)
-            continue
+    for _, obj in scan_lines(lines, path, _parse_line, strict=False, report=report):
         sid = str(obj["id"])
         repeated += sid in by_id
         by_id.pop(sid, None)  # a re-logged query (resume with retries): the last line wins
         by_id[sid] = obj
-    if bad:
+    if report.torn is not None:
+        notes.append(
+            f"{path}: the last line is cut off (the run is still being written or was "
+            "killed); skipped"
+        )
+    if report.corrupt:
+        bad = report.corrupt
         shown = ", ".join(map(str, bad[:5])) + (" ..." if len(bad) > 5 else "")
         notes.append(f"{path}: {len(bad)} corrupt line(s) skipped (line {shown})")
     if repeated:
@@ -153,15 +142,13 @@ def _read_samples(path: Path, notes: list[str]) -> list[dict[str, Any]]:
     return list(by_id.values())
 
 
-def _parse_line(line: bytes) -> dict[str, Any] | None:
-    """One logged query without its top-K logits (most of the line's bytes; never shown)."""
+def _parse_line(line: bytes) -> dict[str, Any]:
+    """One logged query without its top-K logits (most of the line's bytes; never shown);
+    ValueError when the line is not a query's record."""
     line, tokens = _drop_topk(line)
-    try:
-        obj = json.loads(line)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return None
+    obj = json.loads(line)
     if not isinstance(obj, dict) or obj.get("id") is None:
-        return None
+        raise ValueError("not a JSON object with an id")
     if tokens is not None:
         obj["small_topk"], obj["_tokens"] = None, tokens
     elif isinstance(obj.get("small_topk"), list):
@@ -309,23 +296,16 @@ def _benchmark_images(
 ) -> Iterator[tuple[str, Any]]:
     """(id, image source) for the ``wanted`` ids, streamed from the run's benchmark loader (one
     HR-Bench or POPE image in memory at a time)."""
-    from speceyes.bench import datasets
+    from speceyes.bench import benchmarks
 
     bench, root = run.config.get("bench"), data or run.config.get("data")
     if not bench or not root:
         notes.append(f"{run.name}: the run's config names no benchmark data; images not shown")
         return
     try:
-        loader = {
-            "vstar": datasets.load_vstar,
-            "hrbench": datasets.load_hrbench,
-            "pope": datasets.load_pope,
-            "jsonl": datasets.load_jsonl,
-        }[datasets.canonical_bench(str(bench))]
-        accepted = inspect.signature(loader).parameters
-        kw = {k: v for k, v in (run.config.get("loader") or {}).items() if k in accepted}
+        queries = benchmarks.get(str(bench)).load_logged(root, run.config.get("loader") or {})
         left = set(wanted)
-        for q in loader(root, **kw):
+        for q in queries:
             if q.id in left:
                 left.discard(q.id)
                 yield q.id, q.image

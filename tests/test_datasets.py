@@ -12,9 +12,10 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image, ImageDraw
 
+from speceyes.bench.benchmarks import get
 from speceyes.bench.datasets import (
+    HRBENCH_HEADER,
     BenchmarkFormatError,
-    load_benchmark,
     load_hrbench,
     load_jsonl,
     load_pope,
@@ -147,19 +148,6 @@ def test_vstar_errors(tmp_path: Path, vstar_root: Path) -> None:
 
 # ---------------------------------------------------------------------------------- HR-Bench
 
-HR_HEADER = [
-    "index",
-    "question",
-    "answer",
-    "category",
-    "A",
-    "B",
-    "C",
-    "D",
-    "cycle_category",
-    "image",
-]
-
 
 def _hr_rows() -> list[dict]:
     rows = []
@@ -182,7 +170,7 @@ def _hr_rows() -> list[dict]:
 
 
 def _write_tsv(path: Path, rows: list[dict], newline: str = "\n") -> None:
-    lines = ["\t".join(HR_HEADER)] + ["\t".join(r[c] for c in HR_HEADER) for r in rows]
+    lines = ["\t".join(HRBENCH_HEADER)] + ["\t".join(r[c] for c in HRBENCH_HEADER) for r in rows]
     path.write_bytes((newline.join(lines) + newline).encode())
 
 
@@ -213,7 +201,7 @@ def test_hrbench_stream(tmp_path: Path, newline: str) -> None:
 def test_hrbench_no_trailing_newline_and_blank_lines(tmp_path: Path) -> None:
     rows = _hr_rows()[:2]
     tsv = tmp_path / "x.tsv"
-    lines = ["\t".join(HR_HEADER)] + ["\t".join(r[c] for c in HR_HEADER) for r in rows]
+    lines = ["\t".join(HRBENCH_HEADER)] + ["\t".join(r[c] for c in HRBENCH_HEADER) for r in rows]
     tsv.write_text(lines[0] + "\n" + lines[1] + "\n\n" + lines[2])
     assert [q.id for q in load_hrbench(tsv)] == ["100", "101"]
 
@@ -381,7 +369,7 @@ def test_pope_original_jsonl(pope_jsonl: tuple[Path, Path]) -> None:
     assert _open(qs[2].image).size == (64, 48)
     assert [q.category for q in load_pope_jsonl(f, img_dir, split="random")] == ["random"] * 3
     assert len(list(load_pope(f, image_dir=img_dir))) == 3
-    assert len(list(load_benchmark("pope", f, image_dir=img_dir))) == 3
+    assert len(list(get("pope").load(f, image_dir=img_dir))) == 3
 
 
 def test_pope_original_jsonl_errors(pope_jsonl: tuple[Path, Path], tmp_path: Path) -> None:
@@ -441,7 +429,7 @@ def test_generic_jsonl(tmp_path: Path) -> None:
     assert qs[1].answer == "B" and qs[1].image == str(abs_img) and qs[1].category is None
     assert qs[2].answer == "yes" and qs[2].options is None
     assert qs[3].answer == "B"
-    assert [q.id for q in load_benchmark("jsonl", f)] == ["1", "x2", "x3", "x4"]
+    assert [q.id for q in get("jsonl").load(f)] == ["1", "x2", "x3", "x4"]
 
 
 @pytest.mark.parametrize(
@@ -465,12 +453,13 @@ def test_generic_jsonl_errors(tmp_path: Path, line: str, match: str) -> None:
         list(load_jsonl(f))
 
 
-def test_load_benchmark_dispatch(vstar_root: Path, tmp_path: Path) -> None:
-    assert len(list(load_benchmark("vstar", vstar_root, shuffle=False))) == 5
-    assert len(list(load_benchmark("V*", vstar_root))) == 5
+def test_registry_finds_each_loader_by_name_and_alias(vstar_root: Path, tmp_path: Path) -> None:
+    assert len(list(get("vstar").load(vstar_root, shuffle=False))) == 5
+    assert len(list(get("V*").load(vstar_root))) == 5
     tsv = tmp_path / "hr.tsv"
     _write_tsv(tsv, _hr_rows())
-    assert len(list(load_benchmark("hrbench", tsv))) == 6
-    assert len(list(load_benchmark("HR-Bench", tsv))) == 6
-    with pytest.raises(ValueError, match="unknown benchmark"):
-        load_benchmark("mmbench", tsv)
+    assert len(list(get("hrbench").load(tsv))) == 6
+    assert len(list(get(" HR-Bench ").load(tsv))) == 6
+    assert get("hrbench8k") is get("hrbench")
+    with pytest.raises(ValueError, match="unknown benchmark 'mmbench'; expected vstar, hrbench"):
+        get("mmbench")

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from speceyes.bench.runner import RunDirError, read_logged
 from speceyes.cli import main
+from speceyes.rundir import RunDir, RunDirError
 from tests.conftest import make_scene
 
 N_PER_CAT = 4
@@ -75,7 +75,7 @@ def _comparable(records):
 def test_eval_writes_samples_results_and_plots(tiny_dirs, vstar, tmp_path, capsys):
     out = tmp_path / "run"
     assert main(_args(tiny_dirs, vstar, out)) == 0
-    records = read_logged(out / "samples.jsonl")
+    records = RunDir(out).records()
     assert len(records) == 2 * N_PER_CAT and len({r["id"] for r in records}) == len(records)
     r0 = records[0]
     assert r0["small_topk"] and len(r0["small_topk"][0]) == 64
@@ -88,7 +88,7 @@ def test_eval_writes_samples_results_and_plots(tiny_dirs, vstar, tmp_path, capsy
     # A second run into the same folder without --resume refuses, losing nothing.
     assert main(_args(tiny_dirs, vstar, out)) == 2
     assert "--resume" in capsys.readouterr().err
-    assert len(read_logged(out / "samples.jsonl")) == 2 * N_PER_CAT
+    assert len(RunDir(out).records()) == 2 * N_PER_CAT
 
 
 @pytest.mark.slow
@@ -111,14 +111,14 @@ def test_killed_run_resumes_to_the_same_results(tiny_dirs, vstar, tmp_path):
         time.sleep(0.05)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    partial = read_logged(samples)
+    partial = RunDir(killed).records()
     assert 2 <= len(partial) < 2 * N_PER_CAT, "the kill should land mid-run"
     assert not (killed / "results.json").exists()
 
     assert main(_args(tiny_dirs, vstar, killed, "--resume")) == 0
-    resumed = read_logged(samples)
+    resumed = RunDir(killed).records()
     assert len(resumed) == 2 * N_PER_CAT
-    assert _comparable(resumed) == _comparable(read_logged(full / "samples.jsonl"))
+    assert _comparable(resumed) == _comparable(RunDir(full).records())
     res = json.loads((killed / "results.json").read_text())
     assert len(res["segments"]) == 2 and res["n"] == 2 * N_PER_CAT
 
@@ -139,10 +139,10 @@ def test_resume_refuses_a_different_configuration(tiny_dirs, vstar, tmp_path):
 def test_torn_last_line_is_dropped(tmp_path):
     p = tmp_path / "samples.jsonl"
     p.write_text('{"id": "a"}\n{"id": "b"}\n{"id": "c", "rou')
-    assert [r["id"] for r in read_logged(p)] == ["a", "b"]
+    assert [r["id"] for r in RunDir(tmp_path).records()] == ["a", "b"]
     p.write_text('{"id": "a"}\nnot json\n{"id": "b"}\n')
-    with pytest.raises(RunDirError, match="line 2"):
-        read_logged(p)
+    with pytest.raises(RunDirError, match=r"samples.jsonl:2: corrupt JSON line"):
+        RunDir(tmp_path).records()
 
 
 def test_missing_data_is_a_clear_error(tiny_dirs, tmp_path, capsys):
@@ -158,7 +158,7 @@ def test_report_regate_calibrate_on_a_real_run(tiny_dirs, vstar, tmp_path, capsy
     capsys.readouterr()
     assert main(["regate", str(run), "--tau", "0.5", "--json"]) == 0
     row = json.loads(capsys.readouterr().out)[0]
-    logged = read_logged(run / "samples.jsonl")
+    logged = RunDir(run).records()
     # Replaying the run's own tau reproduces its routing decisions.
     assert row["small_share"] == pytest.approx(sum(r["route"] == "small" for r in logged) / len(logged))
     # 8 queries are too few for any tau to pass: calibrate says so and exits 1.

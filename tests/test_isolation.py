@@ -12,10 +12,10 @@ import json
 import pytest
 
 from speceyes.agents.zoom import ZoomAgent
-from speceyes.bench.runner import read_logged
 from speceyes.cli import main
 from speceyes.funnel import Funnel, FunnelConfig
 from speceyes.limits import MAX_OPTIONS
+from speceyes.rundir import RunDir
 from speceyes.types import Query
 from tests.conftest import make_scene
 
@@ -71,7 +71,7 @@ def test_eval_answers_the_batch_mates_of_a_poisoned_sample(tiny_dirs, tmp_path):
     args += ["--small", str(tiny_dirs["qwen3_vl"]), "--large", str(tiny_dirs["qwen2_5_vl"])]
     args += ["--tau", "0.5", "--batch-size", "3", "--agent-max-tokens", "8", "--no-progress"]
     assert main(args) == 0
-    records = {r["id"]: r for r in read_logged(out / "samples.jsonl")}
+    records = {r["id"]: r for r in RunDir(out).records()}
     assert set(records) == {"q0", "q1", "q2"}
     assert records["q1"]["route"] == "error" and records["q1"]["error"]
     assert records["q1"]["correct"] is False  # errors stay in the denominator as wrong

@@ -100,20 +100,20 @@ def test_table_rows_and_columns(demo_run):
 
 
 def test_checks_targets_plot_and_viewer(demo_run):
-    from speceyes.bench.runner import read_logged
     from speceyes.miniworld.targets import gate_auroc, judge_routing
+    from speceyes.rundir import RunDir
 
     s = json.loads((demo_run / "summary.json").read_text())
     small = [
         r
         for split in ("small-targets", "large-targets")
-        for r in read_logged(demo_run / "runs" / split / "small" / "samples.jsonl")
+        for r in RunDir(demo_run / "runs" / split / "small").records()
     ]
     assert s["gate_auroc"] == {"run": "small", **gate_auroc(small)}
     spec = [
         r
         for split in ("small-targets", "large-targets")
-        for r in read_logged(demo_run / "runs" / split / "speceyes" / "samples.jsonl")
+        for r in RunDir(demo_run / "runs" / split / "speceyes").records()
     ]
     assert s["judge_routing"] == judge_routing(spec)
     assert s["judge_routing"]["small"]["n"] + s["judge_routing"]["large"]["n"] == len(spec)
@@ -284,8 +284,8 @@ def test_zoom_on_target_counts_last_zooms_holding_the_target(demo_run):
     assert mwdemo.zoom_on_target(recs) == {"n": 2, "hits": 1, "share": 0.5}
     # The demo's own agent runs are measured the same way and reported in the table's notes.
     s = json.loads((demo_run / "summary.json").read_text())
-    from speceyes.bench.runner import read_logged
+    from speceyes.rundir import RunDir
 
-    recs = read_logged(demo_run / "runs" / "small-targets" / "agent" / "samples.jsonl")
+    recs = RunDir(demo_run / "runs" / "small-targets" / "agent").records()
     assert s["rows"]["small-targets"]["agent"]["zoom_on_target"] == mwdemo.zoom_on_target(recs)
     assert "last crop holds the whole target" in (demo_run / "summary.md").read_text()

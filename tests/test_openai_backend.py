@@ -452,8 +452,9 @@ def test_sync_facade_works_inside_a_running_event_loop(be25):
 def test_server_killed_mid_eval_loses_nothing_and_resumes(gguf_models, tmp_path):
     """A backend server dies mid-run: retries, then clear errors; the run resumes once it is back."""
     from speceyes.agents.zoom import ZoomAgent
-    from speceyes.bench.runner import EvalSpec, read_logged, run_eval
+    from speceyes.bench.runner import EvalSpec, run_eval
     from speceyes.funnel import Funnel, FunnelConfig
+    from speceyes.rundir import RunDir
     from speceyes.types import Query
 
     model, mmproj = gguf_models["qwen2_5_vl"]
@@ -480,7 +481,7 @@ def test_server_killed_mid_eval_loses_nothing_and_resumes(gguf_models, tmp_path)
     spec = EvalSpec(bench="jsonl", data="mem", output=tmp_path / "run", models={"m": url})
     try:
         run_eval(spec, funnel(), dying(queries), progress=False, plots=False)
-        logged = read_logged(spec.output / "samples.jsonl")
+        logged = RunDir(spec.output).records()
         assert [r["id"] for r in logged] == [q.id for q in queries]  # nothing lost
         failed = [r for r in logged if r["error"]]
         assert len(failed) == 4 and all("127.0.0.1" in r["error"] for r in failed)
@@ -489,7 +490,7 @@ def test_server_killed_mid_eval_loses_nothing_and_resumes(gguf_models, tmp_path)
         server = _Server(model, mmproj, tmp_path / "server2.log", port=port)
         spec.resume, spec.retry_errors = True, True
         res = run_eval(spec, funnel(), iter(queries), progress=False, plots=False)
-        again = read_logged(spec.output / "samples.jsonl")
+        again = RunDir(spec.output).records()
         assert sorted(r["id"] for r in again) == sorted(q.id for q in queries)
         assert res["n_errors"] == 0 and res["n"] == 6
     finally:

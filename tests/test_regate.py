@@ -10,11 +10,8 @@ import pytest
 from speceyes import gate
 from speceyes.bench import occupancy
 from speceyes.bench import regate as rg
-from speceyes.bench.runlog import (
-    RunLogError,
-    TruncatedLogWarning,
-    load_run,
-)
+from speceyes.bench.runlog import load_run
+from speceyes.rundir import RunDirError, TruncatedLogWarning
 from tests.tools.synthetic_run import write_synthetic_run
 
 
@@ -108,7 +105,7 @@ def test_ragged_topk_is_a_clear_error(tmp_path):
     line = json.dumps({"id": "x", "small_topk": [[1.0, 2.0, 3.0], [1.0, 2.0]]})
     (tmp_path / "samples.jsonl").write_text(line + "\n")
     (tmp_path / "results.json").write_text("{}")
-    with pytest.raises(RunLogError, match=r"samples.jsonl:1: small_topk"):
+    with pytest.raises(RunDirError, match=r"samples.jsonl:1: small_topk"):
         load_run(tmp_path)
 
 
@@ -124,7 +121,7 @@ def test_missing_dir_and_files(tmp_path):
         run = load_run(tmp_path, require_results=False)
     assert run.n == 1 and run.top_k == gate.DEFAULT_TOP_K
     (tmp_path / "results.json").write_text("{not json")
-    with pytest.raises(RunLogError, match="results.json: not valid JSON"):
+    with pytest.raises(RunDirError, match="results.json: not valid JSON"):
         load_run(tmp_path)
 
 
@@ -133,7 +130,7 @@ def test_corrupt_middle_line_names_it(tmp_path, both_dir):
     lines[6] = lines[6][:100]
     (tmp_path / "samples.jsonl").write_text("\n".join(lines) + "\n")
     (tmp_path / "results.json").write_text((both_dir / "results.json").read_text())
-    with pytest.raises(RunLogError, match=r"samples.jsonl:7: corrupt JSON line"):
+    with pytest.raises(RunDirError, match=r"samples.jsonl:7: corrupt JSON line"):
         load_run(tmp_path)
 
 

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
+from speceyes.bench.benchmarks import get
 from speceyes.bench.scoring import (
     accuracy_metrics,
-    compute_metrics,
     hrbench_metrics,
     is_correct,
     parse_choice,
@@ -185,7 +185,7 @@ def test_vstar_metrics_pooled_overall() -> None:
     # Pooled: 4/6, not the mean of the categories (0.625).
     assert m["accuracy"] == pytest.approx(4 / 6)
     assert m["n"] == 6 and m["correct"] == 4 and m["n_errors"] == 1
-    assert compute_metrics("vstar", recs) == m
+    assert get("vstar").metrics(recs) == m
 
 
 def test_hrbench_metrics_cycle_average_differs_from_pooled() -> None:
@@ -208,7 +208,7 @@ def test_hrbench_metrics_cycle_average_differs_from_pooled() -> None:
     assert m["cross"] == pytest.approx((1.0 + 0.0) / 2)
     assert m["pooled_per_category"]["single"]["accuracy"] == pytest.approx(2 / 3)
     assert m["n"] == 6 and m["n_errors"] == 1
-    assert compute_metrics("hrbench", recs)["accuracy"] == pytest.approx(0.625)
+    assert get("hrbench").metrics(recs)["accuracy"] == pytest.approx(0.625)
 
 
 def test_pope_metrics_by_hand() -> None:
@@ -263,7 +263,7 @@ def test_pope_metrics_by_hand() -> None:
     assert ay["accuracy"] == pytest.approx(0.25)
     assert ay["precision"] == pytest.approx(0.25) and ay["recall"] == pytest.approx(1.0)
     assert ay["f1"] == pytest.approx(0.4)
-    assert compute_metrics("pope", recs) == m
+    assert get("pope").metrics(recs) == m
 
 
 def test_pope_metrics_degenerate() -> None:
@@ -284,6 +284,6 @@ def test_accuracy_metrics_generic_and_objects() -> None:
     assert m["n_errors"] == 1
     nocat = accuracy_metrics([{"correct": True}])
     assert nocat["per_category"]["unknown"]["accuracy"] == 1.0
-    assert compute_metrics("jsonl", recs) == m
-    with pytest.raises(ValueError):
-        compute_metrics("mmbench", recs)
+    assert get("jsonl").metrics(recs) == m
+    with pytest.raises(ValueError, match="unknown benchmark 'mmbench'"):
+        get("mmbench")

@@ -12,6 +12,8 @@ Supported layouts (the README's "Evaluating on the benchmarks" says how each is 
 * **Generic JSONL**: ``id``, ``image``, ``question``, optional ``options``, ``answer``,
   ``category``.
 
+Each loader is registered under its benchmark's names in :mod:`speceyes.bench.benchmarks`.
+
 Images are passed on as paths (folder layouts) or as the encoded image ``bytes`` (TSV/parquet);
 the project's image loader accepts both.
 """
@@ -36,13 +38,13 @@ __all__ = [
     "LETTERS",
     "VSTAR_CATEGORIES",
     "POPE_SPLITS",
+    "HRBENCH_HEADER",
     "HRBENCH_MAX_LINE_BYTES",
     "load_vstar",
     "load_hrbench",
     "load_pope",
     "load_pope_jsonl",
     "load_jsonl",
-    "load_benchmark",
     "option_letter",
 ]
 
@@ -50,18 +52,12 @@ LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 VSTAR_CATEGORIES = ("direct_attributes", "relative_position")
 POPE_SPLITS = ("adversarial", "popular", "random")
 IMAGE_EXTS = (".jpg", ".jpeg", ".png")
-HRBENCH_COLUMNS = (
-    "index",
-    "question",
-    "answer",
-    "category",
-    "A",
-    "B",
-    "C",
-    "D",
-    "cycle_category",
-    "image",
-)
+# HR-Bench's TSV header as published; the loader needs the required columns, the rest may miss.
+HRBENCH_OPTION_COLUMNS = ("A", "B", "C", "D")
+HRBENCH_HEADER = (
+    "index", "question", "answer", "category", *HRBENCH_OPTION_COLUMNS, "cycle_category", "image"
+)  # fmt: skip
+HRBENCH_REQUIRED_COLUMNS = ("question", "answer", "A", "B", "image")
 # Bound on one TSV line. HR-Bench 8K rows are tens of MB; anything near this is a broken file
 # (e.g. a missing newline) and must not be slurped into memory.
 HRBENCH_MAX_LINE_BYTES = 512 * 1024 * 1024
@@ -84,14 +80,6 @@ def _sample_rng(seed: int, folder: str, name: str) -> random.Random:
     """An RNG that depends only on (seed, folder, name), not on iteration order or hash salt."""
     digest = hashlib.sha256(f"{seed}\x00{folder}\x00{name}".encode()).digest()
     return random.Random(int.from_bytes(digest[:8], "big"))
-
-
-def _find_image(folder: Path, stem: str) -> Path | None:
-    for ext in IMAGE_EXTS:
-        for cand in (folder / f"{stem}{ext}", folder / f"{stem}{ext.upper()}"):
-            if cand.is_file():
-                return cand
-    return None
 
 
 def load_vstar(
@@ -225,11 +213,13 @@ def load_hrbench(
             raise BenchmarkFormatError(f"{path}: empty file (no header)")
         header = [_tsv_field(c).strip().lstrip("\ufeff") for c in header_line[1].split(b"\t")]
         col = {name: i for i, name in enumerate(header)}
-        required = ("question", "answer", "A", "B", "image")
-        missing = [c for c in required if c not in col]
+        missing = [c for c in HRBENCH_REQUIRED_COLUMNS if c not in col]
         if missing:
-            raise BenchmarkFormatError(f"{path}: header lacks column(s) {missing}; got {header}")
-        opt_cols = [c for c in "ABCD" if c in col]
+            raise BenchmarkFormatError(
+                f"{path}: header lacks column(s) {missing}; got {header} (HR-Bench's header: "
+                f"{list(HRBENCH_HEADER)})"
+            )
+        opt_cols = [c for c in HRBENCH_OPTION_COLUMNS if c in col]
         for lineno, line in lines:
             if not line.strip():
                 continue
@@ -490,41 +480,3 @@ def load_jsonl(path: str | Path) -> Iterator[Query]:
             category=None if cat is None else str(cat),
             meta=meta,
         )
-
-
-# ------------------------------------------------------------------------------------- dispatcher
-
-_ALIASES = {
-    "vstar": "vstar",
-    "v*": "vstar",
-    "vstar_bench": "vstar",
-    "v_star": "vstar",
-    "hrbench": "hrbench",
-    "hr-bench": "hrbench",
-    "hr_bench": "hrbench",
-    "hrbench_4k": "hrbench",
-    "hrbench_8k": "hrbench",
-    "hrbench4k": "hrbench",
-    "hrbench8k": "hrbench",
-    "pope": "pope",
-    "jsonl": "jsonl",
-}
-
-
-def canonical_bench(name: str) -> str:
-    key = name.strip().lower()
-    if key not in _ALIASES:
-        raise ValueError(f"unknown benchmark {name!r}; expected vstar, hrbench, pope or jsonl")
-    return _ALIASES[key]
-
-
-def load_benchmark(name: str, path: str | Path, **kw: Any) -> Iterator[Query]:
-    """Dispatch to the loader of ``name`` ("vstar" | "hrbench" | "pope" | "jsonl")."""
-    bench = canonical_bench(name)
-    if bench == "vstar":
-        return load_vstar(path, **kw)
-    if bench == "hrbench":
-        return load_hrbench(path, **kw)
-    if bench == "pope":
-        return load_pope(path, **kw)
-    return load_jsonl(path, **kw)

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from speceyes.bench.datasets import canonical_bench, option_letter
+from speceyes.bench.datasets import option_letter
 
 # get_chat_template(): V* and POPE share one text (with its "Judement" spelling and two spaces
 # before "Determine"); HR-Bench spells "Judgement" and has one space.
@@ -63,25 +63,41 @@ EXAMPLES = tuple(
 JUDGE_SYSTEM = "You are a helpful assistant."
 
 
-def judge_prompt(bench: str, question: str, reference: str, prediction: str) -> str:
-    """get_prompt() of the bench's script, byte for byte."""
-    test = (
+def _vstar_pope_prompt(question: str, reference: str, prediction: str) -> str:
+    """get_prompt() of judge_vstar.py and judge_pope.py, byte for byte."""
+    examples = "".join(e + "\n\n" for e in EXAMPLES)
+    return VSTAR_POPE_TEMPLATE + examples + _query(question, reference, prediction)
+
+
+def _hr_prompt(question: str, reference: str, prediction: str) -> str:
+    """get_prompt() of judge_hr.py, byte for byte."""
+    examples = "\n\n".join(EXAMPLES) + "\n\n"
+    return HR_TEMPLATE + examples + _query(question, reference, prediction)
+
+
+def _query(question: str, reference: str, prediction: str) -> str:
+    return (
         f"\n[Question]: {question}\n[Standard Answer]: {reference}\n"
         f"[Model_answer] : {prediction}\nJudgement:"
     )
-    if canonical_bench(bench) == "hrbench":
-        return HR_TEMPLATE + "\n\n".join(EXAMPLES) + "\n\n" + test
-    return VSTAR_POPE_TEMPLATE + "".join(e + "\n\n" for e in EXAMPLES) + test
 
 
-def judge_verdict(bench: str, reply: str) -> bool:
-    """The scripts' reading of the judge's reply."""
+def _judged_part(reply: str) -> str | None:
+    """The text after the last "Judgement:", where the scripts look first (None: no such tag)."""
     reply = reply.strip()
-    if "Judgement:" in reply:
-        return "1" in reply.split("Judgement:")[-1].strip()
-    if canonical_bench(bench) == "hrbench":
-        return "1" in reply
-    return reply == "1"
+    return reply.split("Judgement:")[-1].strip() if "Judgement:" in reply else None
+
+
+def _strict_verdict(reply: str) -> bool:
+    """judge_vstar.py / judge_pope.py: without the tag, the reply must be exactly "1"."""
+    part = _judged_part(reply)
+    return "1" in part if part is not None else reply.strip() == "1"
+
+
+def _loose_verdict(reply: str) -> bool:
+    """judge_hr.py: without the tag, any "1" in the reply."""
+    part = _judged_part(reply)
+    return "1" in (part if part is not None else reply.strip())
 
 
 def _unbox(pred: str) -> str:
@@ -90,27 +106,56 @@ def _unbox(pred: str) -> str:
     return pred
 
 
-def rule(bench: str, rec: Mapping[str, Any]) -> tuple[bool | None, str]:
-    """(correct, reference for the LLM judge): correct is None where the rules do not decide."""
-    b = canonical_bench(bench)
-    pred = _unbox(str(rec.get("prediction") or ""))
-    gold = str(rec.get("answer") or "")
-    if b == "pope":
-        return (pred == gold if len(pred) == len(gold) else None), gold
-    if b not in ("vstar", "hrbench"):
-        raise ValueError(f"the published judge scripts cover vstar, hrbench and pope, not {bench!r}")
-    letter = gold.strip().upper()
+def _letter_rule(pred: str, letter: str) -> bool | None:
+    """The first two rules of the V* and HR-Bench scripts (None: they do not decide)."""
     if len(pred) == 1:
-        return pred == letter, gold
+        return pred == letter
     if len(pred) == 2 and "." in pred:
-        return letter in pred, gold
-    if b == "hrbench":
-        return (True if letter in pred else None), letter
+        return letter in pred
+    return None
+
+
+def _vstar_rule(rec: Mapping[str, Any]) -> tuple[bool | None, str]:
+    pred, gold = _unbox(str(rec.get("prediction") or "")), str(rec.get("answer") or "")
+    letter = gold.strip().upper()
+    decided = _letter_rule(pred, letter)
+    if decided is not None:
+        return decided, gold
     options = rec.get("options") or []
     idx = ord(letter) - ord("A") if len(letter) == 1 else -1
     text = options[idx] if 0 <= idx < len(options) else ""
     reference = f"{option_letter(idx)}. {text}" if text else letter
     return (True if reference in pred else None), reference
+
+
+def _hr_rule(rec: Mapping[str, Any]) -> tuple[bool | None, str]:
+    pred, gold = _unbox(str(rec.get("prediction") or "")), str(rec.get("answer") or "")
+    letter = gold.strip().upper()
+    decided = _letter_rule(pred, letter)
+    if decided is not None:
+        return decided, gold
+    return (True if letter in pred else None), letter
+
+
+def _pope_rule(rec: Mapping[str, Any]) -> tuple[bool | None, str]:
+    pred, gold = _unbox(str(rec.get("prediction") or "")), str(rec.get("answer") or "")
+    return (pred == gold if len(pred) == len(gold) else None), gold
+
+
+@dataclass(frozen=True)
+class JudgeScript:
+    """One of the authors' judge scripts: its rules, its LLM-judge prompt, its reading of the
+    judge's reply. A benchmark's registry entry names the script that scores it."""
+
+    name: str  # the script's file name in judge_code/
+    rule: Callable[[Mapping[str, Any]], tuple[bool | None, str]]
+    prompt: Callable[[str, str, str], str]  # (question, reference, prediction) -> prompt
+    verdict: Callable[[str], bool]
+
+
+VSTAR_SCRIPT = JudgeScript("judge_vstar.py", _vstar_rule, _vstar_pope_prompt, _strict_verdict)
+HR_SCRIPT = JudgeScript("judge_hr.py", _hr_rule, _hr_prompt, _loose_verdict)
+POPE_SCRIPT = JudgeScript("judge_pope.py", _pope_rule, _vstar_pope_prompt, _strict_verdict)
 
 
 @dataclass
@@ -146,12 +191,12 @@ class PublishedScore:
 
 
 def score_records(
-    bench: str,
+    script: JudgeScript,
     records: Iterable[Mapping[str, Any]],
     ask: Callable[[str, str], str] | None = None,
 ) -> PublishedScore:
-    """Score logged records; ``ask(system, prompt)`` returns the LLM judge's reply (or None:
-    undecided rows count as wrong and are listed)."""
+    """Score logged records by ``script``'s rules; ``ask(system, prompt)`` returns the LLM
+    judge's reply (or None: undecided rows count as wrong and are listed)."""
     recs = list(records)
     errors = [r for r in recs if r.get("error") or r.get("route") == "error"]
     cats: dict[str, list[int]] = defaultdict(lambda: [0, 0])
@@ -159,15 +204,15 @@ def score_records(
     for r in recs:
         if r.get("error") or r.get("route") == "error":
             continue
-        ok, reference = rule(bench, r)
+        ok, reference = script.rule(r)
         if ok is None:
             if ask is None:
                 out.needs_judge.append(str(r.get("id")))
                 ok = False
             else:
                 pred = _unbox(str(r.get("prediction") or ""))
-                prompt = judge_prompt(bench, str(r.get("question") or ""), reference, pred)
-                ok = judge_verdict(bench, ask(JUDGE_SYSTEM, prompt))
+                prompt = script.prompt(str(r.get("question") or ""), reference, pred)
+                ok = script.verdict(ask(JUDGE_SYSTEM, prompt))
                 out.judged += 1
         cat = cats[str(r.get("category") or "all")]
         cat[0] += bool(ok)

@@ -288,14 +288,14 @@ def rescore(
     ``ask(system, prompt)`` is the LLM judge for the published fallbacks; without it the rows
     that needed it are counted wrong and listed."""
     from speceyes import protocols
-    from speceyes.bench import published_scoring, scoring
+    from speceyes.bench import benchmarks
 
     protocols.check_protocol(protocol)
     rows = []
     for run in _load_all(run_dirs):
         bench = _bench(run)
         if protocol == "fair":
-            m = scoring.compute_metrics(bench, run.samples)
+            m = benchmarks.get(bench).metrics(run.samples)
             per = {
                 k: v["accuracy"] if isinstance(v, dict) else v
                 for k, v in (m.get("per_category") or m.get("per_split") or {}).items()
@@ -305,7 +305,7 @@ def rescore(
                          "accuracy": m["accuracy"], "per_category": per, "llm_judged": 0,
                          "needs_llm_judge": []})  # fmt: skip
             continue
-        s = published_scoring.score_records(bench, run.samples, ask)
+        s = benchmarks.get(bench).score_published(run.samples, ask)
         d = s.to_dict()
         rows.append({"run": run.name, "bench": bench, "protocol": protocol, "n": s.n,
                      "errors": s.n_errors, "errors_counted": "dropped", "accuracy": s.accuracy,

@@ -2,7 +2,9 @@
 
 ``load_run`` parses the log once and builds the numpy views that re-gating, calibration, plots
 and reports need, so none of them walks the sample dicts again. Missing values are NaN in the
-float views (``judge_tool``, ``small_correct``, ``agent_correct``, timings).
+float views (``judge_tool``, ``small_correct``, ``agent_correct``, timings). The run folder's
+files and its torn-last-line rule are :mod:`speceyes.rundir`'s; this module adds the fast top-K
+decode and the array views on top.
 
 Speed: a log of 10,000 queries with K=64 top logits for ~5 tokens each is ~65 MB of JSON, almost
 all of it floats. Plain ``json.loads`` spends seconds on those floats, so each line's
@@ -24,19 +26,12 @@ from typing import Any
 import numpy as np
 
 from speceyes import gate
-from speceyes.types import PHASES, RESULTS_FILE, SAMPLES_FILE
+from speceyes.rundir import RunDir, RunDirError, ScanReport, TruncatedLogWarning, scan_lines
+from speceyes.types import PHASES
 
 NO_CATEGORY = "(none)"
 _TOPK_KEY = b'"small_topk"'
 _TO_CSV = bytes.maketrans(b"[]", b",\n")
-
-
-class TruncatedLogWarning(UserWarning):
-    """The last line of samples.jsonl is cut off (a killed run); it was skipped."""
-
-
-class RunLogError(ValueError):
-    """A run directory that cannot be read as an evaluation log."""
 
 
 @dataclass
@@ -115,30 +110,26 @@ def load_run(run_dir: str | Path, require_results: bool = True) -> Run:
         raise FileNotFoundError(f"run directory not found: {path}")
     if not path.is_dir():
         raise NotADirectoryError(f"not a run directory: {path}")
-    samples_path = path / SAMPLES_FILE
+    run_dir = RunDir(path)
+    samples_path = run_dir.samples_file
     if not samples_path.is_file():
         raise FileNotFoundError(f"{samples_path} is missing: not an evaluation run directory")
-    results = _read_results(path / RESULTS_FILE, require_results)
+    results = _read_results(run_dir, require_results)
     samples, topk, skipped = _read_samples(samples_path)
     config = results.get("config") or {}
     return _build_run(path, config, results, samples, topk, skipped)
 
 
-def _read_results(path: Path, required: bool) -> dict[str, Any]:
-    if not path.is_file():
-        if required:
-            raise FileNotFoundError(
-                f"{path} is missing (pass require_results=False to read a partial run)"
-            )
-        warnings.warn(f"{path} is missing: using default gate settings", stacklevel=3)
-        return {}
-    try:
-        results = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise RunLogError(f"{path}: not valid JSON ({exc})") from exc
-    if not isinstance(results, dict):
-        raise RunLogError(f"{path}: expected a JSON object, got {type(results).__name__}")
-    return results
+def _read_results(run_dir: RunDir, required: bool) -> dict[str, Any]:
+    path = run_dir.results_file
+    if path.is_file():
+        return run_dir.read_results()
+    if required:
+        raise FileNotFoundError(
+            f"{path} is missing (pass require_results=False to read a partial run)"
+        )
+    warnings.warn(f"{path} is missing: using default gate settings", stacklevel=3)
+    return {}
 
 
 # ---------------------------------------------------------------------------- samples.jsonl
@@ -182,24 +173,17 @@ def _loads_bulk(rests: list[bytes]) -> list[dict[str, Any]] | None:
 
 
 def _loads_each(path: Path, linenos: list[int], rests: list[bytes]) -> list[dict[str, Any]]:
-    """Line by line: a corrupt line is an error naming it, except a truncated last line."""
-    objs = []
-    for pos, (lineno, rest) in enumerate(zip(linenos, rests, strict=True)):
-        try:
-            obj = json.loads(rest)
-            if not isinstance(obj, dict):
-                raise RunLogError(f"expected a JSON object, got {type(obj).__name__}")
-        except (json.JSONDecodeError, UnicodeDecodeError, RunLogError) as exc:
-            if pos == len(rests) - 1:
-                # A run killed mid-write leaves a cut-off last line: keep everything before it.
-                warnings.warn(
-                    f"{path}:{lineno}: skipping truncated last line ({exc})",
-                    TruncatedLogWarning,
-                    stacklevel=5,
-                )
-                break
-            raise RunLogError(f"{path}:{lineno}: corrupt JSON line ({exc})") from exc
-        objs.append(obj)
+    """Line by line under the run folder's torn-line rule: a corrupt line is an error naming
+    it, a torn last line is skipped with a warning."""
+    report = ScanReport()
+    objs = [obj for _, obj in scan_lines(zip(linenos, rests, strict=True), path, report=report)]
+    if report.torn is not None:
+        lineno, reason = report.torn
+        warnings.warn(
+            f"{path}:{lineno}: skipping truncated last line ({reason})",
+            TruncatedLogWarning,
+            stacklevel=5,
+        )
     return objs
 
 
@@ -296,11 +280,11 @@ def _as_topk(value: Any, path: Path, lineno: int) -> np.ndarray:
     try:
         arr = np.asarray(value, dtype=np.float64)
     except (TypeError, ValueError) as exc:
-        raise RunLogError(f"{where} is not a [tokens, K] array of numbers ({exc})") from exc
+        raise RunDirError(f"{where} is not a [tokens, K] array of numbers ({exc})") from exc
     if arr.size == 0:
         return np.zeros((0, 0))
     if arr.ndim != 2:
-        raise RunLogError(f"{where} must be a list of per-token lists of equal length K")
+        raise RunDirError(f"{where} must be a list of per-token lists of equal length K")
     return arr
 
 
@@ -308,7 +292,7 @@ def _parse_segment_json(seg: bytes, path: Path, lineno: int) -> np.ndarray:
     try:
         value = json.loads(seg)
     except json.JSONDecodeError as exc:
-        raise RunLogError(f"{path}:{lineno}: small_topk is not valid JSON ({exc})") from exc
+        raise RunDirError(f"{path}:{lineno}: small_topk is not valid JSON ({exc})") from exc
     return _as_topk(value, path, lineno)
 
 

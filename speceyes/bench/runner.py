@@ -1,15 +1,14 @@
 """``speceyes eval``: run a benchmark through the funnel, one logged line per query.
 
-A run directory holds ``run.json`` (the configuration, written first), ``samples.jsonl`` (one
-line per query, appended and flushed as soon as the query finishes) and ``results.json``
-(metrics, written at the end). ``resume`` skips every id already logged, so a killed run loses at
-most the batch in flight and never logs a query twice.
+A run directory (:mod:`speceyes.rundir`) holds ``run.json`` (the configuration, written first),
+``samples.jsonl`` (one line per query, appended and flushed as soon as the query finishes) and
+``results.json`` (metrics, written at the end). ``resume`` skips every id already logged, so a
+killed run loses at most the batch in flight and never logs a query twice.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import platform
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -20,14 +19,11 @@ from typing import Any
 import numpy as np
 
 from speceyes import __version__
-from speceyes.bench import scoring
+from speceyes.bench import benchmarks, scoring
 from speceyes.funnel import Funnel
 from speceyes.rates import beta_alpha_of
-from speceyes.types import PHASES, RESULTS_FILE, RUN_CONFIG_FILE, SAMPLES_FILE, Query, Result
-
-
-class RunDirError(ValueError):
-    """The output folder cannot be used as asked (exists without --resume, config mismatch)."""
+from speceyes.rundir import RunDir, RunDirError
+from speceyes.types import PHASES, Query, Result
 
 
 @dataclass
@@ -87,34 +83,6 @@ def sample_record(
     }
 
 
-def read_logged(path: Path) -> list[dict[str, Any]]:
-    """Every complete line of a samples file; a torn last line (killed mid-write) is dropped."""
-    if not path.exists():
-        return []
-    records = []
-    with path.open("rb") as f:
-        lines = f.read().split(b"\n")
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            if i >= len(lines) - 2:  # the last line may be torn by a kill; anything else is not
-                break
-            raise RunDirError(f"{path}: line {i + 1} is not valid JSON") from None
-    return records
-
-
-def _truncate_torn_tail(path: Path) -> None:
-    """Drop a partial last line so appended lines start clean."""
-    if not path.exists():
-        return
-    data = path.read_bytes()
-    if data and not data.endswith(b"\n"):
-        path.write_bytes(data[: data.rfind(b"\n") + 1])
-
-
 def versions(models: dict[str, str | None]) -> dict[str, Any]:
     out: dict[str, Any] = {"speceyes": __version__, "python": platform.python_version()}
     for mod in ("torch", "transformers", "numpy"):
@@ -134,7 +102,7 @@ def versions(models: dict[str, str | None]) -> dict[str, Any]:
 
 def summarize(records: list[dict[str, Any]], bench: str) -> dict[str, Any]:
     """Metrics, beta, alpha and time share per phase from logged records."""
-    metrics = scoring.compute_metrics(bench, records)
+    metrics = benchmarks.get(bench).metrics(records)
     beta, alpha = beta_alpha_of(records)
     phase_time = {p: float(sum(r["timings"].get(p, 0.0) for r in records)) for p in PHASES}
     total = sum(phase_time.values())
@@ -184,7 +152,7 @@ def run_eval(
     """Run (or resume) an evaluation; returns the results dict also written to results.json."""
     out = spec.output
     out.mkdir(parents=True, exist_ok=True)
-    samples_path, cfg_path = out / SAMPLES_FILE, out / RUN_CONFIG_FILE
+    run_dir = RunDir(out)
     config = {
         "bench": spec.bench,
         "data": str(spec.data),
@@ -195,13 +163,14 @@ def run_eval(
         "loader": spec.loader_kw,
     }
     state: dict[str, Any] = {"config": config, "segments": []}
-    if cfg_path.exists() or samples_path.exists():
+    if run_dir.holds_run():
         if not spec.resume:
             raise RunDirError(
                 f"{out} already holds a run; pass --resume to continue it or choose another --output"
             )
-        if cfg_path.exists():
-            state = json.loads(cfg_path.read_text())
+        logged_state = run_dir.read_state()
+        if logged_state is not None:
+            state = logged_state
             if state["config"] != json.loads(json.dumps(config)):
                 diff = sorted(
                     k for k in config if state["config"].get(k) != json.loads(json.dumps(config[k]))
@@ -209,12 +178,12 @@ def run_eval(
                 raise RunDirError(
                     f"cannot resume {out}: the configuration differs in {', '.join(diff)}"
                 )
-    _truncate_torn_tail(samples_path)
-    done_records = read_logged(samples_path)
+    run_dir.repair()
+    done_records = run_dir.records()
     if spec.retry_errors:
         kept = [r for r in done_records if not (r.get("error") or r.get("agent_error"))]
         if len(kept) < len(done_records):
-            _write_lines(samples_path, kept)
+            run_dir.rewrite(kept)
         done_records = kept
     done_ids = {r["id"] for r in done_records}
 
@@ -245,15 +214,14 @@ def run_eval(
     # The segment is kept current in run.json as the run goes, so a killed run's time still counts.
     segment = {"started": time.time(), "seconds": 0.0, "queries": 0}
     state["segments"].append(segment)
-    _write_json(cfg_path, state)  # a run killed before its first update still shows the segment
+    run_dir.write_state(state)  # a run killed before its first update still shows the segment
     last_save = t0
     try:
-        with samples_path.open("a", encoding="utf-8") as f:
+        with run_dir.writer() as log:
             for r in funnel.iter_results(remember(todo)):
                 q = qmap.pop(r.id)
                 rec = sample_record(q, r, funnel.config.mode, score)
-                f.write(json.dumps(rec, default=_json_default) + "\n")
-                f.flush()
+                log.append(rec)
                 records.append(rec)
                 bar.update(1)
                 s = funnel.stats
@@ -266,13 +234,12 @@ def run_eval(
                 now = time.perf_counter()
                 segment.update(seconds=now - t0, queries=len(records) - len(done_records))
                 if now - last_save > 1.0:
-                    _write_json(cfg_path, state)
+                    run_dir.write_state(state)
                     last_save = now
-            os.fsync(f.fileno())
     finally:
         bar.close()
         segment.update(seconds=time.perf_counter() - t0, queries=len(records) - len(done_records))
-        _write_json(cfg_path, state)
+        run_dir.write_state(state)
 
     wall = float(sum(s["seconds"] for s in state["segments"]))
     results = {
@@ -284,7 +251,7 @@ def run_eval(
         "segments": state["segments"],
         "versions": versions(spec.models),
     }
-    _write_json(out / RESULTS_FILE, results)
+    run_dir.write_results(results)
     if plots:
         from speceyes.bench.plots import write_run_plots
 
@@ -292,32 +259,5 @@ def run_eval(
             results["plots"] = [str(p) for p in write_run_plots(out)]
         except Exception as e:  # a plot must never cost the run's results
             results["plots_error"] = f"{type(e).__name__}: {e}"
-        _write_json(out / RESULTS_FILE, results)
+        run_dir.write_results(results)
     return results
-
-
-def _write_lines(path: Path, records: list[dict[str, Any]]) -> None:
-    """Replace a samples file atomically: a crash leaves either the old or the new file."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with tmp.open("w", encoding="utf-8") as f:
-        for r in records:
-            f.write(json.dumps(r, default=_json_default) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _json_default(o: Any) -> Any:
-    if isinstance(o, np.generic):
-        return o.item()
-    if isinstance(o, np.ndarray):
-        return o.tolist()
-    if isinstance(o, Path):
-        return str(o)
-    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
-
-
-def _write_json(path: Path, data: Any) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=_json_default))
-    os.replace(tmp, path)

@@ -7,7 +7,8 @@ Parsing rules (the README's "Fair data handling" and "What is exact" sections):
   of some HR-Bench evaluations).
 * Yes/no: the first word, case-insensitive, punctuation stripped.
 
-Metrics count errors and timeouts as wrong and keep them in every denominator.
+Metrics count errors and timeouts as wrong and keep them in every denominator. Each benchmark's
+registry entry (:mod:`speceyes.bench.benchmarks`) names its metrics function.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ __all__ = [
     "vstar_metrics",
     "hrbench_metrics",
     "pope_metrics",
-    "compute_metrics",
 ]
 
 _LETTERS = string.ascii_uppercase
@@ -354,16 +354,3 @@ def pope_metrics(records: Iterable[Any]) -> dict[str, Any]:
     out["per_split"] = {k: _pope_block(v) for k, v in _by(recs, _category).items()}
     return out
 
-
-def compute_metrics(bench: str, records: Iterable[Any]) -> dict[str, Any]:
-    """Dispatch on the benchmark name: vstar | hrbench | pope | jsonl (generic accuracy)."""
-    from speceyes.bench.datasets import canonical_bench
-
-    b = canonical_bench(bench)
-    if b == "vstar":
-        return vstar_metrics(records)
-    if b == "hrbench":
-        return hrbench_metrics(records)
-    if b == "pope":
-        return pope_metrics(records)
-    return accuracy_metrics(records)

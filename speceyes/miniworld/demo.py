@@ -366,11 +366,12 @@ def run_one(
 ) -> dict[str, Any]:
     """One mode on one size split through the evaluation harness, resuming a matching run."""
     from speceyes.bench.datasets import load_jsonl
-    from speceyes.bench.runner import EvalSpec, RunDirError, run_eval
+    from speceyes.bench.runner import EvalSpec, run_eval
     from speceyes.factory import assemble_funnel
     from speceyes.funnel import FunnelConfig
+    from speceyes.rundir import RunDir, RunDirError
 
-    started = (run_dir / "run.json").exists() or (run_dir / "samples.jsonl").exists()
+    started = RunDir(run_dir).holds_run()
     if started:
         idp = run_dir / IDENTITY
         old = json.loads(idp.read_text()) if idp.is_file() else None
@@ -478,8 +479,8 @@ def _add_speedups(row: dict[str, dict]) -> None:
 
 def summarize_demo(out: Path, modes: list[str]) -> dict[str, Any]:
     """Rows per split, pooled, and per category, from the run folders' logs and results."""
-    from speceyes.bench.runner import read_logged
     from speceyes.bench.scoring import record_correct
+    from speceyes.rundir import RunDir
 
     rows: dict[str, dict[str, dict]] = {}
     pooled: dict[str, tuple[list, float]] = {}
@@ -487,8 +488,7 @@ def summarize_demo(out: Path, modes: list[str]) -> dict[str, Any]:
         rows[split] = {}
         for mode in modes:
             d = out / RUNS_DIR / split / mode
-            res = json.loads((d / "results.json").read_text())
-            recs = read_logged(d / "samples.jsonl")
+            res, recs = RunDir(d).read_results(), RunDir(d).records()
             rows[split][mode] = {**_cell(recs, float(res["wall_time"])), "run": str(d)}
             prev_recs, prev_wall = pooled.get(mode, ([], 0.0))
             pooled[mode] = (prev_recs + recs, prev_wall + float(res["wall_time"]))
@@ -509,13 +509,9 @@ def summarize_demo(out: Path, modes: list[str]) -> dict[str, Any]:
 
 
 def _pooled(out: Path, mode: str) -> list[dict]:
-    from speceyes.bench.runner import read_logged
+    from speceyes.rundir import RunDir
 
-    return [
-        r
-        for split, _ in SPLITS
-        for r in read_logged(out / RUNS_DIR / split / mode / "samples.jsonl")
-    ]
+    return [r for split, _ in SPLITS for r in RunDir(out / RUNS_DIR / split / mode).records()]
 
 
 def checks(out: Path, modes: list[str], tau: float, summary: dict[str, Any]) -> dict[str, Any]:

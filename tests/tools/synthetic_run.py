@@ -3,7 +3,6 @@ for tests and benchmarks of the offline tools (regate, calibrate, report, view).
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -11,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from speceyes import gate
-from speceyes.bench.runlog import RESULTS_FILE, SAMPLES_FILE
+from speceyes.rundir import RunDir
 
 
 def write_synthetic_run(
@@ -72,13 +71,11 @@ def write_synthetic_run(
     ]
     path = Path(run_dir)
     path.mkdir(parents=True, exist_ok=True)
-    with open(path / SAMPLES_FILE, "w", encoding="utf-8") as f:
-        for s in samples:
-            f.write(json.dumps(s) + "\n")
+    RunDir(path).rewrite(samples)
     config = {"bench": "synthetic", "mode": mode, "tau": tau, "top_k": k_run, "agg": agg}
     config["alpha"] = alpha
     results = _synthetic_results(samples, config, wall_time)
-    (path / RESULTS_FILE).write_text(json.dumps(results, indent=2), encoding="utf-8")
+    RunDir(path).write_results(results)
     return path
 
 
