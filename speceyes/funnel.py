@@ -93,11 +93,11 @@ class FunnelConfig:
             raise ValueError(f"unknown schedule {self.schedule!r}; choose from {SCHEDULES}")
         if self.agg not in gate.AGGREGATIONS:
             raise ValueError(f"unknown aggregation {self.agg!r}")
-        if not 0.0 <= self.tau <= 1.0:
+        if self.tau is not None and not 0.0 <= self.tau <= 1.0:  # None: the agent's
             raise ValueError(f"tau must be in [0, 1], got {self.tau}")
         if self.top_k < 2:
             raise ValueError("top_k must be at least 2")
-        if self.batch_size < 1 or self.max_agent_loops < 1:
+        if (self.batch_size is not None and self.batch_size < 1) or self.max_agent_loops < 1:
             raise ValueError("batch_size and max_agent_loops must be at least 1")
         if self.judge not in JUDGES:
             raise ValueError(f"unknown judge {self.judge!r}; choose from {', '.join(JUDGES)}")
