@@ -469,7 +469,7 @@ def run(args: argparse.Namespace) -> int:
     summary = summarize_demo(out, modes)
     summary.update(
         batch_size=resolved.funnel.batch_size,
-        settings=settings.to_dict(),
+        settings=resolved.to_dict(),
         split=key,
         models={r: {"path": str(models[r]), "fingerprint": prints[r]} for r in ROLES},
     )
