@@ -44,7 +44,8 @@ if str(HERE.parent) not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(HERE.parent))
 
 from speceyes.bench import scoring  # noqa: E402
-from speceyes.cli import add_funnel_args, add_model_args, build_funnel  # noqa: E402
+from speceyes.cli.options import add_funnel_args, add_model_args  # noqa: E402
+from speceyes.factory import Settings, build_funnel, make_agent  # noqa: E402
 from speceyes.funnel import JUDGES, Funnel, FunnelConfig  # noqa: E402
 from speceyes.types import Query, Result  # noqa: E402
 
@@ -100,18 +101,17 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 def _setup(args: argparse.Namespace) -> tuple[Any, Any, Any, FunnelConfig]:
     """(small, large, agent, base config) loaded once for every variant."""
     if args.models is None:
-        f = build_funnel(args)
+        f = build_funnel(Settings.from_args(args))
         return f.small, f.large, f.agent, f.config
     from speceyes.backends.hf import HFBackend
     from speceyes.miniworld import demo
 
     folder = Path(args.models)
     paths = demo.find_models(folder)
-    s = demo.load_settings(folder / demo.MANIFEST)
+    s = Settings.from_manifest(folder / demo.MANIFEST).resolved()
     small, large = HFBackend(paths["small"]), HFBackend(paths["large"])
-    agent = demo.make_agent(large, s.agent)
-    cfg = FunnelConfig(tau=s.tau, agg=s.agg, top_k=s.top_k, batch_size=s.batch_size)
-    return small, large, agent, cfg
+    agent = make_agent(s.agent, large)
+    return small, large, agent, s.funnel
 
 
 def _queries(args: argparse.Namespace) -> list[Query]:

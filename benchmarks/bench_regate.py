@@ -85,10 +85,9 @@ def real_check(n: int, batch: int, workdir: Path) -> None:
 def miniworld_check(n: int, models: Path, data: Path, workdir: Path) -> None:
     """The same check on trained mini-world models with the manifest's search agent."""
     from speceyes.cli import main as cli
-    from speceyes.factory import SEARCH_KEYS
-    from speceyes.miniworld.demo import agent_settings, load_settings
+    from speceyes.factory import Settings
 
-    s = load_settings(models / "manifest.json")
+    s = Settings.from_manifest(models / "manifest.json").resolved()
     rows = [json.loads(ln) for ln in data.read_text(encoding="utf-8").splitlines() if ln.strip()]
     # Evenly spaced rows: both target sizes, so the judge sends some loops to the agent. Image
     # paths become absolute (the loader takes them relative to the file's own folder).
@@ -97,20 +96,18 @@ def miniworld_check(n: int, models: Path, data: Path, workdir: Path) -> None:
         r["image"] = str((data.parent / r["image"]).resolve())
     subset = workdir / "questions.jsonl"
     subset.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    a = agent_settings(s.agent)
     # stay=1: loops stop at different depths (1-4 turns), so batch occupancy varies from step to
     # step, which is what the occupancy model has to get right.
-    a.search["stay"] = True
+    options = {**s.agent.options, "stay": True}
     search = ",".join(
-        f"{k}={int(v) if isinstance(v, bool) else v}"
-        for k, v in a.search.items()
-        if k in SEARCH_KEYS and v is not None
+        f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in options.items() if v is not None
     )
+    f = s.funnel
     common = ["eval", "--bench", "jsonl", "--data", str(subset), "--no-progress"]
     common += ["--small", str(models / "small"), "--large", str(models / "large")]
-    common += ["--agent", "search", "--search", search, "--batch-size", str(s.batch_size)]
-    common += ["--agent-max-tokens", str(a.max_new_tokens)]
-    common += ["--top-k", str(s.top_k), "--agg", s.agg]
+    common += ["--agent", "search", "--search", search, "--batch-size", str(f.batch_size)]
+    common += ["--agent-max-tokens", str(s.agent.max_new_tokens)]
+    common += ["--top-k", str(f.top_k), "--agg", f.agg]
     compare(cli, common, workdir, with_agent=True)
 
 

@@ -1,78 +1,39 @@
-"""Build backends, agents and the funnel from one settings object.
+"""One settings type for a funnel, resolved in one place, and the builders that use it.
 
-The CLI (``ask``, ``eval``, ``serve``) fills :class:`Settings` from its flags and the mini-world
-demo from its models manifest; both build through here, so a model spec, an agent kind or a
-search setting means the same in either. Search settings use the search agent's own keyword
-names, in ``--search K=V,...`` and in the manifest's ``agent`` object alike.
+:class:`Settings` comes from the CLI's flags (:meth:`Settings.from_args`), from a mini-world
+models manifest (:meth:`Settings.from_manifest`) or from its own dict (:meth:`Settings.from_dict`,
+the inverse of :meth:`Settings.to_dict`). A calibration file is applied by
+:meth:`Settings.with_calibration`, which refuses a file made for another setup. Unset values
+(``None``) stay unset until :meth:`Settings.resolved` fills them: the protocol's loop budgets and
+batch size, and the agent's own gate threshold. None of these change their input.
+
+:func:`build_funnel` loads the models a resolved settings object names and builds the funnel;
+``ask``, ``eval``, ``serve`` and the demo all build through it, so a model spec, an agent name
+or an agent setting means the same everywhere. An agent's settings use its own keyword names
+(its ``Settings`` dataclass, :mod:`speceyes.agents.registry`), in ``--search K=V,...`` and in
+the manifest's ``agent`` object alike.
 """
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Callable
-from dataclasses import dataclass, field
+import json
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from speceyes import gate, protocols
+from speceyes.agents import registry
+from speceyes.agents.zoom import ZoomAgent
 from speceyes.funnel import FunnelConfig
 
 if TYPE_CHECKING:
+    import argparse
+    import os
+
     from speceyes.agents.base import Agent
     from speceyes.backends.base import Backend
+    from speceyes.bench.calibrate import Calibration
     from speceyes.funnel import Funnel
-
-AGENTS: tuple[str, ...] = ("deepeyes", "thyme", "search")
-
-
-def flag(text: str) -> bool:
-    """1/0, true/false, yes/no, on/off -> bool; anything else is a ValueError."""
-    t = text.strip().lower()
-    if t in ("1", "true", "yes", "on"):
-        return True
-    if t in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(text)
-
-
-# The search agent's settings (SearchAgent keyword arguments) and how to read each from text.
-SEARCH_KEYS: dict[str, Callable[[str], Any]] = {
-    "depth": int,
-    "grid": int,
-    "overlap": float,
-    "min_region": int,
-    "answer_prompt": str,
-    "stay": flag,
-    "beam": int,
-    "fill_view": flag,
-    "min_box": int,
-}
-_OLD_SEARCH_KEYS = {"answer": "answer_prompt"}  # the names --search used before
-
-
-def parse_search(text: str) -> dict[str, Any]:
-    """``depth=3,grid=3,answer_prompt=small,stay=1`` -> SearchAgent keyword arguments."""
-    out: dict[str, Any] = {}
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        key, sep, val = part.partition("=")
-        if sep and key in _OLD_SEARCH_KEYS:
-            new = _OLD_SEARCH_KEYS[key]
-            warnings.warn(
-                f"--search: {key!r} is now {new!r} (the name the demo manifest uses); "
-                f"the old name will go",
-                FutureWarning,
-                stacklevel=2,
-            )
-            key = new
-        if not sep or key not in SEARCH_KEYS:
-            raise ValueError(
-                f"--search: expected K=V with K in {', '.join(SEARCH_KEYS)}, got {part!r}"
-            )
-        read = SEARCH_KEYS[key]
-        try:
-            out[key] = read(val)
-        except ValueError:
-            what = "1 or 0" if read is flag else f"a {getattr(read, '__name__', 'value')}"
-            raise ValueError(f"--search: {key} needs {what}, got {val!r}") from None
-    return out
 
 
 @dataclass
@@ -81,7 +42,7 @@ class BackendSettings:
 
     engine: str = "hf"  # "hf" (transformers in-process) or "vllm" (offline engine)
     dtype: str = "auto"
-    device_map: str | None = None
+    device_map: str | None = None  # None: CPU
     attn: str | None = None  # attention implementation, e.g. "sdpa"
     tensor_parallel_size: int = 1  # vLLM only
     max_logprobs: int = 20  # top_logprobs cap of the servers behind URLs
@@ -89,18 +50,45 @@ class BackendSettings:
 
 @dataclass
 class AgentSettings:
-    """The large model's agent loop. ``None`` budgets take the protocol's defaults."""
+    """The large model's agent loop: its registered name, its loop budgets (``None``: the
+    protocol's, filled by ``Settings.resolved``) and its other settings by its own keyword
+    names (see ``registry.AGENTS[kind].Settings``)."""
 
-    kind: str = "deepeyes"  # see AGENTS
+    kind: str = ZoomAgent.name
     max_tool_calls: int | None = None
     max_new_tokens: int | None = None
-    search: dict[str, Any] = field(default_factory=dict)  # search only: see SEARCH_KEYS
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def agent_class(self) -> type:
+        return registry.agent_class(self.kind)
+
+    def kwargs(self, cls: type | None = None) -> dict[str, Any]:
+        """Keyword arguments of ``cls`` (default: this kind's class): the options and the
+        budgets it takes that are set."""
+        cls = cls or self.agent_class()
+        kw = registry.check_options(cls, self.options)
+        takes = {f.name for f in fields(cls.Settings)}
+        for name in registry.BUDGETS:
+            value = getattr(self, name)
+            if name in takes and value is not None:
+                kw[name] = value
+        return kw
+
+
+# What a models manifest means when it leaves a key out (the demo's world, agent and gate).
+MANIFEST_TAU = 0.9
+MANIFEST_AGENT: dict[str, Any] = {"kind": "search", "depth": 3, "answer_prompt": "small"}
+MANIFEST_FUNNEL_KEYS = {"tau": float, "agg": str, "top_k": int, "batch_size": int}
+MANIFEST = "manifest.json"  # the manifest's name in a models folder
+MANIFEST_DTYPE = "float32"  # the mini-world models run in float32 (bundled as bfloat16)
 
 
 @dataclass
 class Settings:
     """Everything a funnel is built from. ``small``/``large`` are folders, hub ids or
-    OpenAI-compatible URLs (comma-separated for replicas); families name the model behind a URL."""
+    OpenAI-compatible URLs (comma-separated for replicas); families name the model behind a
+    URL. ``extra`` carries a manifest's keys that are not funnel settings (its world and
+    training metadata)."""
 
     small: str | None = None
     large: str | None = None
@@ -109,10 +97,191 @@ class Settings:
     backend: BackendSettings = field(default_factory=BackendSettings)
     agent: AgentSettings = field(default_factory=AgentSettings)
     funnel: FunnelConfig = field(default_factory=FunnelConfig)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    # ---- sources --------------------------------------------------------------------------
+    @classmethod
+    def from_args(cls, ns: argparse.Namespace) -> Settings:
+        """The settings the model, funnel and agent flags give (a flag a command lacks takes
+        the default); ``--calibration FILE`` is applied. The namespace is only read."""
+
+        def arg(name: str, default: Any = None) -> Any:
+            value = getattr(ns, name, None)
+            return default if value is None else value
+
+        kind = arg("agent", AgentSettings.kind)
+        agent_cls = registry.agent_class(kind)
+        options = {}
+        if agent_cls.name == "search":  # --search is read only for the search agent
+            options = registry.parse_options(agent_cls, arg("search", ""), "--search")
+        f = FunnelConfig
+        funnel = FunnelConfig(
+            mode=arg("mode", f.mode),
+            tau=arg("tau"),
+            top_k=arg("top_k", f.top_k),
+            agg=arg("agg", f.agg),
+            judge_mode=arg("judge_mode", f.judge_mode),
+            judge=arg("judge", f.judge),
+            judge_max_pixels=arg("judge_max_pixels"),
+            batch_size=arg("batch_size"),
+            schedule=arg("schedule", f.schedule),
+            overlap=bool(arg("overlap", f.overlap)),
+            max_agent_loops=arg("max_agent_loops", f.max_agent_loops),
+            protocol=arg("protocol", f.protocol),
+        )
+        b = BackendSettings
+        settings = cls(
+            small=arg("small"),
+            large=arg("large"),
+            small_family=arg("small_family", cls.small_family),
+            large_family=arg("large_family", cls.large_family),
+            backend=BackendSettings(
+                engine=arg("engine", b.engine),
+                dtype=arg("dtype", b.dtype),
+                device_map=arg("device_map"),
+                attn=arg("attn"),
+                tensor_parallel_size=arg("tensor_parallel_size", b.tensor_parallel_size),
+                max_logprobs=arg("max_logprobs", b.max_logprobs),
+            ),
+            agent=AgentSettings(
+                kind=kind,
+                max_tool_calls=arg("max_tool_calls"),
+                max_new_tokens=arg("agent_max_tokens"),
+                options=options,
+            ),
+            funnel=funnel,
+        )
+        calibration = arg("calibration")
+        return settings if calibration is None else settings.with_calibration(calibration)
+
+    @classmethod
+    def from_manifest(cls, path: str | os.PathLike[str]) -> Settings:
+        """The mini-world demo's settings from ``MODELS/manifest.json`` (a missing file or key
+        takes the manifest's default); the models are ``small/`` and ``large/`` beside it, in
+        float32. Keys that are not funnel settings (``canvas``, ``level``, ``test``, training
+        metadata) are kept in ``extra``."""
+        path = Path(path)
+        raw: dict[str, Any] = {}
+        if path.is_file():
+            try:
+                raw = json.loads(path.read_text(encoding="utf-8"))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}: not valid JSON ({e.msg})") from e
+            if not isinstance(raw, dict):
+                raise ValueError(f"{path}: expected a JSON object")
+        given = raw.get("agent")
+        if given is not None and not isinstance(given, dict):
+            raise ValueError(f"{path}: agent: expected an object")
+        agent_raw = {**MANIFEST_AGENT, **(given or {})}
+        kind = agent_raw.pop("kind")
+        if registry.ALIASES.get(kind, kind) not in registry.choices():
+            raise ValueError(
+                f"{path}: agent.kind must be one of {', '.join(registry.choices())}, got {kind!r}"
+            )
+        agent_cls = registry.agent_class(kind)
+        budgets = {k: agent_raw.pop(k, None) for k in registry.BUDGETS}
+        if budgets["max_new_tokens"] is None:  # the agent's own answer budget, if it has one
+            budgets["max_new_tokens"] = getattr(agent_cls.Settings, "max_new_tokens", None)
+        known = registry.settings_fields(agent_cls)
+        # The manifest's agent object may hold keys of another agent's (or no agent's)
+        # settings; this agent takes its own.
+        options = {k: v for k, v in agent_raw.items() if k in known}
+        # batch_size unset: the protocol's
+        funnel = FunnelConfig(tau=MANIFEST_TAU, batch_size=None)
+        for key, read in MANIFEST_FUNNEL_KEYS.items():
+            if key in raw:
+                setattr(funnel, key, read(raw[key]))
+        if funnel.agg not in gate.AGGREGATIONS:
+            raise ValueError(f"{path}: unknown aggregation {funnel.agg!r}")
+        folder = path.parent
+        return cls(
+            small=str(folder / "small"),
+            large=str(folder / "large"),
+            backend=BackendSettings(dtype=MANIFEST_DTYPE),
+            agent=AgentSettings(kind=agent_cls.name, options=options, **budgets),
+            funnel=funnel,
+            extra={k: v for k, v in raw.items() if k not in (*MANIFEST_FUNNEL_KEYS, "agent")},
+        )
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Settings:
+        """The inverse of :meth:`to_dict` (unknown keys are ignored)."""
+
+        def build(kind: type, d: dict[str, Any] | None) -> Any:
+            names = {f.name for f in fields(kind)}
+            return kind(**{k: v for k, v in (d or {}).items() if k in names})
+
+        top = {k: v for k, v in data.items() if k not in ("backend", "agent", "funnel")}
+        return replace(
+            build(cls, top),
+            backend=build(BackendSettings, data.get("backend")),
+            agent=build(AgentSettings, data.get("agent")),
+            funnel=build(FunnelConfig, data.get("funnel")),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    # ---- derived settings -----------------------------------------------------------------
+    def with_calibration(self, cal: Calibration | str | os.PathLike[str]) -> Settings:
+        """These settings with a calibration's gate and judge mode; refused (ValueError) unless
+        the calibration was made for these models, this agent and this judge (a tau is only
+        valid for its setup). ``cal`` is a calibration or the path of its file. A tau given
+        here wins over the file's."""
+        from speceyes.bench.calibrate import Calibration, check_setup, read_calibration
+
+        if not isinstance(cal, Calibration):
+            cal = read_calibration(cal)
+        f = self.funnel
+        check_setup(cal, self.small, self.large, self.agent.kind, f.judge, f.judge_max_pixels)
+        funnel = replace(
+            f,
+            tau=cal.tau if f.tau is None else f.tau,
+            top_k=cal.top_k,
+            agg=cal.agg,
+            alpha=cal.alpha,
+            judge_mode=cal.judge_mode or f.judge_mode,
+            judge_threshold=f.judge_threshold
+            if cal.judge_threshold is None
+            else cal.judge_threshold,
+        )
+        return replace(self, funnel=funnel)
+
+    def with_funnel(self, **changes: Any) -> Settings:
+        """These settings with some funnel fields changed (e.g. another ``mode``)."""
+        return replace(self, funnel=replace(self.funnel, **changes))
+
+    def resolved(self) -> Settings:
+        """Every unset value filled: the loop budgets and batch size from the protocol (for the
+        agent's family), tau from the agent's ``default_tau``; the agent's name canonical."""
+        a, f = self.agent, self.funnel
+        cls = a.agent_class()
+        budget = protocols.loop_settings(f.protocol, _family(cls))
+        agent = replace(
+            a,
+            kind=cls.name,
+            max_tool_calls=_first(a.max_tool_calls, budget.max_tool_calls),
+            max_new_tokens=_first(a.max_new_tokens, budget.agent_max_tokens),
+        )
+        funnel = replace(
+            f,
+            tau=_first(f.tau, cls.default_tau),
+            batch_size=_first(f.batch_size, budget.batch_size),
+        )
+        return replace(self, agent=agent, funnel=funnel)
+
+
+def _first(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
+def _family(cls: type) -> str:
+    """The agent family whose loop budgets apply (other agents take DeepEyes')."""
+    return cls.name if cls.name in protocols.FAMILIES else ZoomAgent.name
 
 
 def make_backend(
-    spec: str, family: str = "qwen2_5_vl", settings: BackendSettings | None = None
+    spec: str, family: str = Settings.large_family, settings: BackendSettings | None = None
 ) -> Backend:
     """A backend for a model given as a folder, a hub id, or OpenAI-compatible server URL(s);
     ``family`` names the model behind a URL (a folder's own config says it)."""
@@ -144,38 +313,21 @@ def make_agent(
 ) -> Agent:
     """The agent loop on ``large``; ``mode="specreason"`` drafts each step on ``small``."""
     a = settings
-    loop_kw: dict[str, Any] = {
-        "max_tool_calls": a.max_tool_calls,
-        "max_new_tokens": a.max_new_tokens,
-        "protocol": protocol,
-    }
+    cls = a.agent_class()
     if mode == "specreason":
         from speceyes.agents.specreason import SpecReasonAgent
 
-        if a.kind != "deepeyes":
+        if cls is not ZoomAgent:
             raise ValueError("--mode specreason runs the DeepEyes loop; use --agent deepeyes")
         if small is None:
             raise ValueError("--mode specreason needs the small model")
-        return SpecReasonAgent(small, large, **loop_kw)
-    if a.kind == "thyme":
-        from speceyes.agents.code import CodeAgent
-
-        return CodeAgent(large, **loop_kw)
-    if a.kind == "search":
-        from speceyes.agents.search import SearchAgent
-
-        unknown = set(a.search) - set(SEARCH_KEYS)
-        if unknown:
-            raise ValueError(f"unknown search settings {sorted(unknown)}; use {list(SEARCH_KEYS)}")
-        kw = dict(a.search)
-        if a.max_new_tokens is not None:
-            kw["max_new_tokens"] = a.max_new_tokens
-        return SearchAgent(large, **kw)
-    if a.kind != "deepeyes":
-        raise ValueError(f"unknown agent {a.kind!r}; choose from {', '.join(AGENTS)}")
-    from speceyes.agents.zoom import ZoomAgent
-
-    return ZoomAgent(large, **loop_kw)
+        return SpecReasonAgent(small, large, **a.kwargs(SpecReasonAgent), protocol=protocol)
+    if getattr(cls, "needs_small", False):
+        raise ValueError(f"the {cls.name} agent is chosen by --mode {cls.name}")
+    kw = a.kwargs(cls)
+    if cls.name in protocols.FAMILIES:  # the agents the published protocol covers take it
+        kw["protocol"] = protocol
+    return cls(large, **kw)
 
 
 def load_backends(settings: Settings) -> tuple[Backend | None, Backend | None]:
@@ -222,7 +374,13 @@ def assemble_funnel(
     return Funnel(small, large, agent, config)
 
 
-def build_funnel(settings: Settings) -> Funnel:
-    """Load the models ``settings`` names and build the funnel over them."""
-    small, large = load_backends(settings)
-    return assemble_funnel(settings.funnel, small, large, settings.agent)
+def build_funnel(
+    settings: Settings,
+    backends: tuple[Backend | None, Backend | None] | None = None,
+    agent: Agent | None = None,
+) -> Funnel:
+    """The funnel ``settings`` describe (resolved here), over the models it names, loaded here
+    unless ``backends`` (small, large) are given; ``agent`` shares one ready agent."""
+    s = settings.resolved()
+    small, large = load_backends(s) if backends is None else backends
+    return assemble_funnel(s.funnel, small, large, s.agent if agent is None else agent)

@@ -50,7 +50,7 @@ from typing import Any, Literal
 import numpy as np
 
 from speceyes import gate, prompts, protocols
-from speceyes.agents.base import EMPTY, END, Agent, AgentOutcome, drive_loops
+from speceyes.agents.base import EMPTY, END, Agent, AgentOutcome, LoopAgent, drive_loops
 from speceyes.backends.base import Backend, BackendError, JudgeMode, per_item
 from speceyes.images import MIN_PIXELS, load_image, resize_for_model
 from speceyes.rates import beta_alpha
@@ -69,7 +69,7 @@ PREFIX_JUDGE_TEXT = prompts.JUDGE_SYSTEM + prompts.JUDGE_SUFFIX.lstrip("\n")
 @dataclass
 class FunnelConfig:
     mode: Mode = "speceyes"
-    tau: float = 0.98
+    tau: float | None = None  # None: the agent's default_tau
     top_k: int = gate.DEFAULT_TOP_K
     agg: gate.Aggregation = "min"
     alpha: float = gate.DEFAULT_ALPHA
@@ -77,7 +77,8 @@ class FunnelConfig:
     judge_threshold: float = 0.5  # tool iff P(tool) >= threshold; 0.5 equals greedy yes-vs-no
     judge: str = "large"  # who answers phase I: see JUDGES and the module docstring
     judge_max_pixels: int | None = None  # large/small judge: the image shown at most this big
-    batch_size: int = 8
+    # None: the protocol's (factory.Settings.resolved); left out: the fair protocol's
+    batch_size: int | None = protocols.loop_settings("fair").batch_size
     max_new_tokens: int = 20
     schedule: Literal["batched", "pipelined"] = "batched"
     overlap: bool = False
@@ -92,11 +93,11 @@ class FunnelConfig:
             raise ValueError(f"unknown schedule {self.schedule!r}; choose from {SCHEDULES}")
         if self.agg not in gate.AGGREGATIONS:
             raise ValueError(f"unknown aggregation {self.agg!r}")
-        if not 0.0 <= self.tau <= 1.0:
+        if self.tau is not None and not 0.0 <= self.tau <= 1.0:  # None: the agent's
             raise ValueError(f"tau must be in [0, 1], got {self.tau}")
         if self.top_k < 2:
             raise ValueError("top_k must be at least 2")
-        if self.batch_size < 1 or self.max_agent_loops < 1:
+        if (self.batch_size is not None and self.batch_size < 1) or self.max_agent_loops < 1:
             raise ValueError("batch_size and max_agent_loops must be at least 1")
         if self.judge not in JUDGES:
             raise ValueError(f"unknown judge {self.judge!r}; choose from {', '.join(JUDGES)}")
@@ -151,6 +152,9 @@ class Funnel:
         config: FunnelConfig | None = None,
     ) -> None:
         self.config = config or FunnelConfig()
+        if self.config.tau is None:  # the agent's own threshold (the base one without an agent)
+            default = getattr(agent, "default_tau", LoopAgent.default_tau)
+            self.config = replace(self.config, tau=default)
         self.config.validate()
         mode = self.config.mode
         if mode in ("speceyes", "both", *AGENT_ONLY_MODES) and (large is None or agent is None):

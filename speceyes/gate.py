@@ -26,7 +26,6 @@ EPS = 1e-6
 DEFAULT_TOP_K = 64
 DEFAULT_ALPHA = 0.6
 BOTTOM_RATIO = 0.2
-DEFAULT_TAU = {"deepeyes": 0.98, "thyme": 0.95, "search": 0.98}
 
 
 def _top_k_sorted(values: np.ndarray, top_k: int) -> np.ndarray:

@@ -442,7 +442,8 @@ def test_holdout_run_must_be_another_run_of_the_same_setup(tmp_path):
 
 
 def test_file_records_the_setup_and_eval_checks_it(tmp_path):
-    from speceyes.cli import build_parser, funnel_config
+    from speceyes.cli import build_parser
+    from speceyes.factory import Settings
 
     d = _with_setup(write_synthetic_run(tmp_path / "r", 2000, seed=5, k_logged=16, alpha=0.5))
     cal = cb.calibrate(load_run(d), max_error=0.15)
@@ -458,7 +459,7 @@ def test_file_records_the_setup_and_eval_checks_it(tmp_path):
             ["eval", "--bench", "jsonl", "--data", "x", "--small", small, "--large", large,
              "--calibration", str(path), *extra]
         )  # fmt: skip
-        return funnel_config(args)
+        return Settings.from_args(args).resolved().funnel
 
     fc = config("models/small", "models/large/")
     assert (fc.tau, fc.top_k, fc.agg, fc.alpha) == (cal.tau, 16, "min", 0.5)
@@ -490,13 +491,14 @@ def small_judge_cal(tmp_path_factory):
 
 
 def _eval_config(path, *extra):
-    from speceyes.cli import build_parser, funnel_config
+    from speceyes.cli import build_parser
+    from speceyes.factory import Settings
 
     args = build_parser().parse_args(
         ["eval", "--bench", "jsonl", "--data", "x", "--small", SETUP[0], "--large", SETUP[1],
          "--calibration", str(path), *extra]
     )  # fmt: skip
-    return funnel_config(args)
+    return Settings.from_args(args).resolved().funnel
 
 
 def test_file_records_the_judge_and_refuses_another(small_judge_cal, tmp_path):

@@ -68,13 +68,36 @@ def test_ask_unknown_model(tmp_path, capsys):
 
 
 def test_search_flag_reaches_the_agent_settings():
-    from speceyes.cli import build_parser, settings_from_args
+    from speceyes.cli import build_parser
+    from speceyes.factory import Settings
 
     argv = ["ask", "i.png", "q", "--small", "s", "--large", "l", "--agent", "search"]
-    s = settings_from_args(build_parser().parse_args([*argv, "--search", "depth=3,stay=1"]))
-    assert s.agent.kind == "search" and s.agent.search == {"depth": 3, "stay": True}
-    assert s.agent.max_new_tokens == 1024 and s.funnel.batch_size == 8  # the fair protocol's
+    s = Settings.from_args(build_parser().parse_args([*argv, "--search", "depth=3,stay=1"]))
+    assert s.agent.kind == "search" and s.agent.options == {"depth": 3, "stay": True}
+    r = s.resolved()
+    assert r.agent.max_new_tokens == 1024 and r.funnel.batch_size == 8  # the fair protocol's
     assert (s.small, s.large, s.backend.engine, s.backend.max_logprobs) == ("s", "l", "hf", 20)
     # --search is read only for the search agent, as before
     other = build_parser().parse_args([*argv[:-1], "deepeyes", "--search", "zoom=3"])
-    assert settings_from_args(other).agent.search == {}
+    assert Settings.from_args(other).agent.options == {}
+
+
+def test_miniworld_is_a_group_of_tools(monkeypatch, capsys):
+    """Each tool gets the words after its name, --help included; words naming no tool go to
+    the scene generator."""
+    import importlib
+
+    from speceyes.cli import miniworld
+
+    got = {}
+    for name, (module, _) in miniworld.TOOLS.items():
+        mod = importlib.import_module(module)
+        monkeypatch.setattr(mod, "main", lambda argv, name=name: got.setdefault(name, argv) and 0)
+    assert main(["miniworld", "train", "--out", "x", "--help"]) == 0
+    assert main(["miniworld", "probe", "M", "--scenes", "1"]) == 0
+    assert main(["miniworld", "--out", "d", "--split", "val"]) == 0
+    assert got == {
+        "train": ["--out", "x", "--help"],
+        "probe": ["M", "--scenes", "1"],
+        "scenes": ["--out", "d", "--split", "val"],
+    }

@@ -127,7 +127,8 @@ def test_resume_refuses_a_different_configuration(tiny_dirs, vstar, tmp_path):
     out = tmp_path / "run"
     assert main(_args(tiny_dirs, vstar, out, "--limit", "2")) == 0
     with pytest.raises(RunDirError, match="tau"):
-        from speceyes.cli import build_parser, cmd_eval
+        from speceyes.cli import build_parser
+        from speceyes.cli.eval import run as cmd_eval
 
         cmd_eval(
             build_parser().parse_args(

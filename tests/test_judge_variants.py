@@ -207,7 +207,11 @@ def test_config_errors(q3, q25):
 
 
 def test_cli_flags_reach_the_config():
-    from speceyes.cli import build_parser, funnel_config
+    from speceyes.cli import build_parser
+    from speceyes.factory import Settings
+
+    def funnel_config(args):
+        return Settings.from_args(args).resolved().funnel
 
     args = build_parser().parse_args(
         [

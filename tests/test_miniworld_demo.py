@@ -12,8 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from speceyes.agents.search import SearchAgent
 from speceyes.cli import main
+from speceyes.factory import Settings
 from speceyes.miniworld import demo as mwdemo
+from speceyes.miniworld.summary import zoom_on_target
+from speceyes.rates import analytic_speedup
 
 SPLITS = ("small-targets", "large-targets")
 MODES = ("agent", "small", "speceyes")
@@ -90,11 +94,11 @@ def test_table_rows_and_columns(demo_run):
     assert list(s["rows"]) == ["small-targets", "large-targets", "all"]
     assert list(s["categories"]) == list(CATEGORIES)
     # manifest: given keys, defaults for the rest, training metadata carried along
-    assert s["settings"]["tau"] == 0.5 and s["settings"]["canvas"] == [1024, 1024]
-    assert (s["settings"]["agent"]["kind"], s["settings"]["agent"]["depth"]) == ("search", 1)
-    assert (
-        s["settings"]["agent"]["grid"] == 2 and s["settings"]["agent"]["answer_prompt"] == "small"
-    )
+    assert s["settings"]["funnel"]["tau"] == 0.5 and s["split"]["canvas"] == [1024, 1024]
+    agent = s["settings"]["agent"]
+    assert (agent["kind"], agent["options"]) == ("search", {"depth": 1, "answer_prompt": "small"})
+    assert agent["max_new_tokens"] == SearchAgent.Settings.max_new_tokens
+    assert s["settings"]["funnel"]["batch_size"] == s["batch_size"] == 8
     assert s["settings"]["extra"]["training"] == MANIFEST["training"]
     assert s["split"]["n_scenes"] == 2 and s["split"]["level"] == 1
 
@@ -208,20 +212,23 @@ def test_missing_models_exit_2(tmp_path, monkeypatch, capsys):
 
 
 def test_settings_defaults_and_errors(tmp_path):
-    s = mwdemo.load_settings(tmp_path / "missing.json")
-    assert (s.canvas, s.tau, s.agg) == ((1024, 1024), 0.9, "min")
-    assert (s.agent.kind, s.agent.depth, s.agent.grid, s.agent.answer_prompt) == (
-        "search",
-        3,
-        2,
-        "small",
-    )
-    assert (s.test.seed, s.test.scenes, s.test.small_fraction) == (0, 40, 0.5)
+    s = Settings.from_manifest(tmp_path / "missing.json")
+    t = mwdemo.TestSplit.from_settings(s)
+    assert (t.canvas, s.funnel.tau, s.funnel.agg) == ((1024, 1024), 0.9, "min")
+    assert (s.agent.kind, s.agent.options) == ("search", {"depth": 3, "answer_prompt": "small"})
+    assert (t.level, t.seed, t.scenes, t.small_fraction) == (1, 0, 40, 0.5)
     p = tmp_path / "m.json"
     p.write_text(json.dumps({"agent": {"kind": "teleport"}}))
     with pytest.raises(ValueError, match="agent.kind"):
-        mwdemo.load_settings(p)
-    speedup = mwdemo.analytic_speedup  # speceyes.rates' formula, (c_J, c_S, L_agent, beta, alpha)
+        Settings.from_manifest(p)
+    for bad, match in (({"canvas": [1]}, "canvas"), ({"level": 3}, "level"), ({"test": 1}, "test")):
+        p.write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match=match):
+            mwdemo.TestSplit.from_settings(Settings.from_manifest(p))
+    p.write_text(json.dumps({"canvas": [640, 480], "level": 2, "test": {"scenes": 3}}))
+    t = mwdemo.TestSplit.from_settings(Settings.from_manifest(p))
+    assert (t.canvas, t.level, t.scenes, t.seed) == ((640, 480), 2, 3, 0)
+    speedup = analytic_speedup  # speceyes.rates' formula, (c_J, c_S, L_agent, beta, alpha)
     assert speedup(0.0, 0.0, 1.0, 0.0, 0.0) == 1.0
     assert speedup(0.1, 0.2, 1.0, 0.8, 0.5) == pytest.approx(1 / (0.1 + 0.16 + 0.6))
 
@@ -236,10 +243,11 @@ def test_bundled_models_load_and_answer_from_their_own_logits():
     found = mwdemo.find_models(mwdemo.MODELS_DIR)
     total = sum(f.stat().st_size for f in mwdemo.MODELS_DIR.rglob("*") if f.is_file())
     assert total < 50e6
-    settings = mwdemo.load_settings(mwdemo.MODELS_DIR / mwdemo.MANIFEST)
-    assert 0 < settings.tau < 1 and settings.agent.kind == "search"
+    settings = Settings.from_manifest(mwdemo.MODELS_DIR / mwdemo.MANIFEST)
+    assert 0 < settings.funnel.tau < 1 and settings.agent.kind == "search"
+    canvas = mwdemo.TestSplit.from_settings(settings).canvas
     scene = generate_scene(
-        scene_rng("test", 99, 0), load_pool("test"), canvas=settings.canvas, regime="large"
+        scene_rng("test", 99, 0), load_pool("test"), canvas=canvas, regime="large"
     )
     q = next(q for q in scene.questions if q.category == "attribute")
     for role in ("small", "large"):
@@ -281,11 +289,11 @@ def test_zoom_on_target_counts_last_zooms_holding_the_target(demo_run):
         rec([10, 10, 20, 20]),  # no zoom: not counted
         rec(None, (0, 0, 5, 5)),  # no known target: not counted
     ]
-    assert mwdemo.zoom_on_target(recs) == {"n": 2, "hits": 1, "share": 0.5}
+    assert zoom_on_target(recs) == {"n": 2, "hits": 1, "share": 0.5}
     # The demo's own agent runs are measured the same way and reported in the table's notes.
     s = json.loads((demo_run / "summary.json").read_text())
     from speceyes.rundir import RunDir
 
     recs = RunDir(demo_run / "runs" / "small-targets" / "agent").records()
-    assert s["rows"]["small-targets"]["agent"]["zoom_on_target"] == mwdemo.zoom_on_target(recs)
+    assert s["rows"]["small-targets"]["agent"]["zoom_on_target"] == zoom_on_target(recs)
     assert "last crop holds the whole target" in (demo_run / "summary.md").read_text()

@@ -68,7 +68,8 @@ def test_stages_run_save_and_resume(tmp_path):
     assert be.family == "qwen3_vl" and be.max_pixels == M.VIEW_PIXELS["small"]
 
     # The bundle: both roles in bfloat16 plus the demo's manifest, loadable by the demo.
-    from speceyes.miniworld.demo import find_models, load_settings
+    from speceyes.factory import Settings
+    from speceyes.miniworld.demo import TestSplit, find_models
 
     settings = tmp_path / "settings.json"
     settings.write_text(json.dumps({"tau": 0.8, "agent": {"kind": "search", "depth": 2}}))
@@ -82,8 +83,10 @@ def test_stages_run_save_and_resume(tmp_path):
     found = find_models(tmp_path / "models")
     cfg = json.loads((found["large"] / "config.json").read_text())
     assert cfg.get("dtype", cfg.get("torch_dtype")) == "bfloat16"
-    man = load_settings(tmp_path / "models" / "manifest.json")
-    assert man.tau == 0.8 and man.agent.depth == 2 and list(man.canvas) == list(D.CANVAS)
+    man = Settings.from_manifest(tmp_path / "models" / "manifest.json")
+    canvas = TestSplit.from_settings(man).canvas
+    assert man.funnel.tau == 0.8 and man.agent.options["depth"] == 2
+    assert list(canvas) == list(D.CANVAS)
     assert man.extra["trained_steps"] == {"small": 2, "large": 2}
     # The bundled small model is the trained one in bfloat16 and answers through HFBackend.
     import torch

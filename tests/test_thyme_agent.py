@@ -344,12 +344,13 @@ def test_vllm_backend_splits_continued_and_new_turns():
 
 def test_cli_agent_thyme_end_to_end(tiny_dirs, tmp_path, capsys):
     from speceyes import cli
+    from speceyes.factory import Settings
 
     model = str(tiny_dirs["qwen2_5_vl"])
     img = tmp_path / "scene.png"
     make_scene().save(img)
     args = cli.build_parser().parse_args(["ask", str(img), "q", "--small", model, "--large", model, "--agent", "thyme"])  # noqa: E501
-    assert cli.funnel_config(args).tau == 0.95  # Thyme's default gate threshold
+    assert Settings.from_args(args).resolved().funnel.tau == 0.95  # Thyme's default threshold
     rc = cli.main(
         ["ask", str(img), "What color is the square?", "--small", model, "--large", model,
          "--agent", "thyme", "--mode", "agent", "--agent-max-tokens", "12", "--json"]

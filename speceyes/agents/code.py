@@ -55,7 +55,6 @@ from speceyes.backends.base import Backend, Messages
 from speceyes.images import MAX_RATIO, ImageError, load_image, resize_for_model
 from speceyes.types import Query
 
-MAX_ITERATIONS = 5  # code executions per query (Thyme's max_iterations)
 MIN_CROP = 64  # Thyme's MIN_CROP_DIMENSION: literal crop boxes are widened to this
 MAX_IMAGES = 11  # Thyme's rollout stops adding images once a conversation holds more than 10
 OUTPUT_PREFIX = "/mnt/data/temp_processed_images/"  # where the model was taught to save
@@ -343,6 +342,13 @@ class CodeAgent(LoopAgent):
     # its first prompt names a per-run sandbox file, so no judge can share it
     shares_first_prompt = False
 
+    @dataclass
+    class Settings:
+        """Its keyword arguments, as ``K=V`` text sets them (``None`` budgets: the protocol's)."""
+
+        max_tool_calls: int | None = None
+        max_new_tokens: int | None = None
+
     def __init__(
         self,
         backend: Backend,
@@ -357,7 +363,7 @@ class CodeAgent(LoopAgent):
     ) -> None:
         self.backend = backend
         self.protocol = protocols.check_protocol(protocol)
-        # None: the protocol's default (fair: MAX_ITERATIONS calls, 1024 tokens; published: the
+        # None: the protocol's default (protocols.loop_settings: the fair budget, or the
         # authors' generation budget and tokens per turn).
         limits = protocols.loop_settings(protocol, "thyme")
         self.max_tool_calls = limits.max_tool_calls if max_tool_calls is None else max_tool_calls

@@ -29,6 +29,7 @@ from PIL import Image
 
 from speceyes import prompts
 from speceyes.agents.base import AgentOutcome, LoopAgent, fallback_answer, last_answer
+from speceyes.agents.zoom import MIN_BOX
 from speceyes.backends.base import Backend, Messages
 from speceyes.images import BoxError, View, load_image, zoom_crop
 from speceyes.types import Query
@@ -104,20 +105,66 @@ class SearchAgent(LoopAgent):
 
     name = "search"
 
+    @dataclass
+    class Settings:
+        """Its keyword arguments, as ``--search K=V,...`` or a manifest's ``agent`` object sets
+        them; each field's ``help`` is the text ``--search`` shows."""
+
+        depth: int = field(default=2, metadata={"help": "zoom steps"})
+        grid: int = field(default=2, metadata={"help": "cells per side"})
+        overlap: float = field(default=0.25, metadata={"help": "0-1"})
+        min_region: int | None = field(
+            default=None,
+            metadata={"help": "stop below this side in px; unset: the model's view side"},
+        )
+        answer_prompt: str = field(
+            default="deepeyes",
+            metadata={
+                "help": "deepeyes: DeepEyes conversation with the crop; small: the small prompt "
+                "on the crop"
+            },
+        )
+        max_new_tokens: int = field(default=64, metadata={"help": "tokens of the answer"})
+        min_box: int = field(
+            default=MIN_BOX,
+            metadata={
+                "help": "smallest zoom box side in pixels of the full image's view, as the "
+                "DeepEyes check"
+            },
+        )
+        stay: bool = field(
+            default=False,
+            metadata={
+                "help": "1: also score the current region and stop zooming where it beats "
+                "every cell"
+            },
+        )
+        beam: int = field(
+            default=1,
+            metadata={"help": "regions kept per depth; their cells all compete at the next depth"},
+        )
+        fill_view: bool = field(
+            default=False,
+            metadata={
+                "help": "1: show each crop with as many pixels as the full image's view, "
+                "upscaled, as the mini-world models were trained"
+            },
+        )
+
     def __init__(
         self,
         backend: Backend,
         *,
-        depth: int = 2,
-        grid: int = 2,
-        overlap: float = 0.25,
-        min_region: int | None = None,
-        answer_prompt: str = "deepeyes",
-        max_new_tokens: int = 64,
-        min_box: int = 28,
-        stay: bool = False,
-        beam: int = 1,
-        fill_view: bool = False,
+        depth: int = Settings.depth,
+        grid: int = Settings.grid,
+        overlap: float = Settings.overlap,
+        min_region: int | None = Settings.min_region,
+        answer_prompt: str = Settings.answer_prompt,
+        max_new_tokens: int = Settings.max_new_tokens,
+        min_box: int = Settings.min_box,
+        stay: bool = Settings.stay,
+        beam: int = Settings.beam,
+        fill_view: bool = Settings.fill_view,
     ) -> None:
         if answer_prompt not in ("deepeyes", "small"):
             raise ValueError("answer_prompt must be 'deepeyes' or 'small'")

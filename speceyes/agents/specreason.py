@@ -9,6 +9,7 @@ crops and answers then go through the same parser and cropper as the plain agent
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -22,6 +23,11 @@ ACCEPT_SCORE = 7.0
 
 class SpecReasonAgent(ZoomAgent):
     name = "specreason"
+    needs_small = True  # built with the small model as well: chosen by --mode specreason
+
+    @dataclass
+    class Settings(ZoomAgent.Settings):
+        accept_score: float = ACCEPT_SCORE
 
     def __init__(self, small: Backend, large: Backend, *, accept_score: float = ACCEPT_SCORE, **kw):
         super().__init__(large, **kw)

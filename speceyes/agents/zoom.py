@@ -29,7 +29,6 @@ from speceyes.backends.base import Backend, Messages
 from speceyes.images import BoxError, View, load_image, zoom_crop
 from speceyes.types import Query
 
-MAX_TOOL_CALLS = 5
 MIN_BOX = 28
 
 
@@ -98,6 +97,15 @@ class ZoomAgent(LoopAgent):
 
     name = "deepeyes"
 
+    @dataclass
+    class Settings:
+        """Its keyword arguments, as ``K=V`` text or a manifest's ``agent`` object sets them
+        (``None`` budgets: the protocol's)."""
+
+        max_tool_calls: int | None = None
+        max_new_tokens: int | None = None
+        min_box: int = MIN_BOX
+
     def __init__(
         self,
         backend: Backend,
@@ -108,7 +116,7 @@ class ZoomAgent(LoopAgent):
         protocol: str = "fair",
     ) -> None:
         self.backend = backend
-        # None: the protocol's default (fair: MAX_TOOL_CALLS calls, 1024 tokens; published: the
+        # None: the protocol's default (protocols.loop_settings: the fair budget, or the
         # authors' generation budget and tokens per turn).
         limits = protocols.loop_settings(protocol, "deepeyes")
         self.max_tool_calls = limits.max_tool_calls if max_tool_calls is None else max_tool_calls

@@ -1,11 +1,11 @@
 """What the demo checks beyond accuracy and time: the gate's AUROC, the judge's routing by target
-size, accuracy against tau replayed from the logs, the issue's targets as met/missed, and the
-demo's one figure (accuracy against seconds per query, and accuracy against tau)."""
+size, accuracy against tau replayed from the logs, and the mini world's targets as met/missed.
+Pure functions of logged records and the summary; the figure is drawn by
+:mod:`speceyes.miniworld.summary`."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -94,66 +94,6 @@ def accuracy_vs_tau(
         acc.append(ok / len(rows) if rows else float("nan"))
         share.append(small / len(rows) if rows else float("nan"))
     return {"tau": [float(t) for t in taus], "accuracy": acc, "small_share": share}
-
-
-def plot_demo(
-    summary: dict[str, Any], curve: dict[str, list[float]] | None, tau: float, out_png: Path
-) -> Path:
-    """Left: accuracy against seconds per query for each mode and split. Right: SpecEyes'
-    accuracy against tau (replayed), with agent-only and small-only as lines."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from speceyes.miniworld.demo import MODE_LABEL, SPLIT_LABEL
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    markers = {"small-targets": "o", "large-targets": "s", "all": "*"}
-    colors = {"agent": "tab:red", "small": "tab:blue", "speceyes": "tab:green"}
-    for split, row in summary["rows"].items():
-        for mode, c in row.items():
-            if c.get("time_per_query") is None or c.get("accuracy") is None:
-                continue
-            ax1.scatter(
-                c["time_per_query"],
-                c["accuracy"],
-                marker=markers.get(split, "o"),
-                s=120 if split == "all" else 60,
-                color=colors.get(mode, "gray"),
-                label=f"{MODE_LABEL[mode]}, {SPLIT_LABEL[split]}",
-            )
-    ax1.set_xscale("log")
-    ax1.set_xlabel("seconds per query (log scale)")
-    ax1.set_ylabel("accuracy")
-    ax1.set_title("accuracy against time, per mode and split")
-    ax1.legend(fontsize=7, loc="lower right")
-    ax1.grid(alpha=0.3)
-    if curve:
-        ax2.plot(curve["tau"], curve["accuracy"], color="tab:green", label="SpecEyes (replayed)")
-        ax2b = ax2.twinx()
-        ax2b.plot(
-            curve["tau"], curve["small_share"], color="tab:green", ls=":", label="answered by small"
-        )
-        ax2b.set_ylabel("share answered by the small model")
-        ax2b.set_ylim(0, 1)
-        allrow = summary["rows"].get("all", {})
-        for mode in ("agent", "small"):
-            if mode in allrow and allrow[mode].get("accuracy") is not None:
-                ax2.axhline(
-                    allrow[mode]["accuracy"], color=colors[mode], ls="--", label=MODE_LABEL[mode]
-                )
-        ax2.axvline(tau, color="gray", ls=":", lw=1)
-        ax2.set_xlabel("tau (gate threshold)")
-        ax2.set_ylabel("accuracy, all questions")
-        ax2.set_title(f"accuracy against tau (demo tau {tau:g})")
-        ax2.legend(fontsize=7, loc="lower left")
-        ax2.grid(alpha=0.3)
-    fig.tight_layout()
-    out_png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_png, dpi=110)
-    plt.close(fig)
-    return out_png
 
 
 def check_targets(summary: dict[str, Any]) -> list[dict[str, Any]]:

@@ -1,0 +1,68 @@
+"""``speceyes calibrate``: a tau with a finite-sample guarantee, from a ``--mode both`` run."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    cal = sub.add_parser(
+        "calibrate",
+        help="choose tau with a finite-sample guarantee on the error of accepted answers",
+        description="Learn-then-test with fixed-sequence testing and exact binomial bounds: the "
+        "error rate among accepted speculative answers is at most --max-error with probability "
+        "at least --confidence (over the calibration sample). Several --top-k/--agg values are "
+        "tested as one family (Bonferroni across them), so the guarantee holds for the one "
+        "kept. --split or --holdout measure accuracy, error among accepted and speedup on "
+        "queries the test never saw. Exits 1 when no tau passes.",
+    )
+    cal.add_argument("run", help="run folder of a --mode both eval")
+    cal.add_argument("--max-error", type=float, default=0.05)
+    cal.add_argument("--confidence", type=float, default=0.9)
+    cal.add_argument(
+        "--min-relative-accuracy",
+        type=float,
+        default=None,
+        help="instead: funnel accuracy >= r x agent-only accuracy",
+    )
+    cal.add_argument("--top-k", default=None, help="K, or several ('20,64') tested as a family")
+    cal.add_argument("--agg", default=None, help="aggregation, or several ('min,mean')")
+    cal.add_argument(
+        "--split",
+        default=None,
+        help="calib:test (e.g. 50:50) or sweep:calib:test weights: calibrate on the calib part, "
+        "measure on the test part (seeded, stratified by category)",
+    )
+    cal.add_argument("--seed", type=int, default=0, help="seed of --split")
+    cal.add_argument("--holdout", default=None, help="run folder (same setup) to measure on")
+    cal.add_argument("--output", default=None, help="default RUN/calibration.json")
+    cal.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from speceyes.bench.calibrate import calibrate, format_calibration, write_calibration
+    from speceyes.bench.runlog import load_run
+    from speceyes.bench.splits import parse_split
+
+    run = load_run(args.run, require_results=False)
+    cal = calibrate(
+        run,
+        max_error=args.max_error,
+        confidence=args.confidence,
+        top_k=[int(k) for k in args.top_k.split(",")] if args.top_k else None,
+        agg=[a.strip() for a in args.agg.split(",")] if args.agg else None,
+        min_relative_accuracy=args.min_relative_accuracy,
+        split=parse_split(args.split, args.seed) if args.split else None,
+        holdout=load_run(args.holdout, require_results=False) if args.holdout else None,
+    )
+    out = Path(args.output or Path(args.run) / "calibration.json")
+    write_calibration(cal, out)
+    print(format_calibration(cal))
+    if not cal.passed:
+        print(f"wrote {out} (a record only: eval and serve refuse it)", file=sys.stderr)
+        return 1
+    print(f"wrote {out} (pass it to eval or serve with --calibration)")
+    return 0

@@ -1,0 +1,187 @@
+"""The model and funnel flags ``ask``, ``eval`` and ``serve`` share.
+
+Every default shown in a help text is read from the type that owns it (``factory.Settings``,
+``BackendSettings``, ``AgentSettings``, ``FunnelConfig``, the agent classes and
+``protocols.loop_settings``); ``factory.Settings.from_args`` reads the flags back.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from speceyes import gate, protocols
+from speceyes.agents import registry
+from speceyes.factory import AgentSettings, BackendSettings, Settings
+from speceyes.funnel import JUDGES, MODES, SCHEDULES, FunnelConfig
+
+_SEARCH = registry.AGENTS["search"]
+
+
+def _per_protocol(read) -> str:
+    """``fair 8; published: 6 deepeyes, 6 thyme`` for a loop setting ``read(LoopSettings)``."""
+    fair = read(protocols.loop_settings("fair"))
+    published = ", ".join(
+        f"{read(protocols.loop_settings('published', a))} {a}" for a in protocols.FAMILIES
+    )
+    return f"fair {fair}; published: {published}"
+
+
+def add_model_args(p: argparse.ArgumentParser, *, required: bool = True) -> None:
+    b = BackendSettings
+    g = p.add_argument_group("models")
+    g.add_argument(
+        "--small",
+        required=required,
+        help="small tool-free VLM: folder, hub id, or OpenAI-compatible URL(s) "
+        "(http://host:8000/v1, comma-separated for replicas)",
+    )
+    g.add_argument(
+        "--large", required=required, help="agentic VLM (DeepEyes): folder, hub id, or URL(s)"
+    )
+    g.add_argument(
+        "--engine",
+        default=b.engine,
+        choices=["hf", "vllm"],
+        help="runtime for folders/hub ids: hf (transformers in-process) or vllm (vLLM "
+        f"offline) (default: {b.engine})",
+    )
+    g.add_argument(
+        "--dtype", default=b.dtype, help=f"torch dtype for both models (default: {b.dtype})"
+    )
+    g.add_argument(
+        "--device-map", default=b.device_map, help='e.g. "auto" or "cuda:0" (default: CPU)'
+    )
+    g.add_argument("--attn", default=b.attn, help="attention implementation, e.g. sdpa")
+    g.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=b.tensor_parallel_size,
+        help=f"vLLM engine only (default: {b.tensor_parallel_size})",
+    )
+    g.add_argument(
+        "--small-family",
+        default=Settings.small_family,
+        help=f"model family behind a --small URL (default: {Settings.small_family})",
+    )
+    g.add_argument(
+        "--large-family",
+        default=Settings.large_family,
+        help=f"model family behind a --large URL (default: {Settings.large_family})",
+    )
+    g.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=b.max_logprobs,
+        help="top_logprobs cap of the servers behind URLs (vLLM: --max-logprobs) "
+        f"(default: {b.max_logprobs})",
+    )
+
+
+def add_funnel_args(p: argparse.ArgumentParser) -> None:
+    f = FunnelConfig
+    g = p.add_argument_group("funnel")
+    g.add_argument(
+        "--mode",
+        default=f.mode,
+        choices=MODES,
+        help="speceyes, agent only, small only, both (log everything), or the SpecReason "
+        f"baseline (small model proposes each agent step, large model scores it) (default: {f.mode})",
+    )
+    g.add_argument(
+        "--agent",
+        default=AgentSettings.kind,
+        choices=registry.choices(),
+        help="agent loop of the large model: deepeyes (zoom tool calls), thyme (Python code run "
+        "in a process sandbox), or search (training-free zoom search scored by the model's own "
+        f"P(yes) per region) (default: {AgentSettings.kind})",
+    )
+    g.add_argument(
+        "--search",
+        default="",
+        metavar="K=V,...",
+        help=f"--agent search settings: {registry.settings_help(_SEARCH)}",
+    )
+    taus = ", ".join(f"{n} {registry.AGENTS[n].default_tau}" for n in registry.choices())
+    g.add_argument(
+        "--tau", type=float, default=None, help=f"gate threshold (default: the agent's own: {taus})"
+    )
+    g.add_argument(
+        "--top-k", type=int, default=f.top_k, help=f"K for separability (default: {f.top_k})"
+    )
+    g.add_argument(
+        "--agg",
+        default=f.agg,
+        choices=list(gate.AGGREGATIONS),
+        help=f"aggregation (default: {f.agg})",
+    )
+    g.add_argument(
+        "--judge-mode",
+        default=f.judge_mode,
+        choices=["logit", "decode"],
+        help="logit: one forward step, P(yes) vs P(no); decode: published 10-token rule "
+        f"(default: {f.judge_mode})",
+    )
+    g.add_argument(
+        "--judge",
+        default=f.judge,
+        choices=JUDGES,
+        help="phase I: large (published: the large model's judge prompt), prefix (the large "
+        "model, the judge question after the agent's own first-turn prompt, so a server with "
+        "prefix caching reuses that prefill for the agent), small (the small model's judge), "
+        "small-prefix (the small model, after its own answer prompt), none (no judge: the "
+        f"gate alone decides); see docs/throughput.md (default: {f.judge})",
+    )
+    g.add_argument(
+        "--judge-max-pixels",
+        type=int,
+        default=f.judge_max_pixels,
+        help="judge view budget: the large or small judge sees the image at most this many "
+        "pixels (e.g. 200704 = 256 visual tokens of Qwen2.5-VL) (default: the full image)",
+    )
+    g.add_argument(
+        "--protocol",
+        default=f.protocol,
+        choices=protocols.PROTOCOLS,
+        help="fair: our prompts and rules; published: the released SpecEyes code's question "
+        "blocks, prompts, judge rule, view cap, loop rules and batch size "
+        f"{protocols.PUBLISHED_BATCH_SIZE} (see README 'What is exact') (default: {f.protocol})",
+    )
+    g.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="queries per phase I-III batch (default: the protocol's: "
+        f"{_per_protocol(lambda s: s.batch_size)})",
+    )
+    g.add_argument(
+        "--schedule",
+        default=f.schedule,
+        choices=SCHEDULES,
+        help="batched: each batch runs phases I-IV before the next; pipelined: phases I-III of "
+        "later batches run while agent loops continue, and agent loops join one continuous "
+        "batch (results in completion order) (default: %(default)s)",
+    )
+    g.add_argument(
+        "--overlap", action="store_true", help="run phase II beside phase I (separate devices)"
+    )
+    g.add_argument(
+        "--max-agent-loops",
+        type=int,
+        default=f.max_agent_loops,
+        help=f"agent loops in flight (default: {f.max_agent_loops})",
+    )
+    g.add_argument(
+        "--max-tool-calls",
+        type=int,
+        default=None,
+        help="agent tool-call budget (default: the protocol's: "
+        f"{_per_protocol(lambda s: s.max_tool_calls)})",
+    )
+    g.add_argument(
+        "--agent-max-tokens",
+        type=int,
+        default=None,
+        help="new tokens per agent turn (default: the protocol's: "
+        f"{_per_protocol(lambda s: s.agent_max_tokens)})",
+    )
+    g.add_argument("--calibration", default=None, help="tau file written by speceyes calibrate")

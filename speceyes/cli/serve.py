@@ -1,0 +1,95 @@
+"""``speceyes serve``: an OpenAI-compatible HTTP server that answers through the funnel."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from speceyes import limits
+from speceyes.cli.options import add_funnel_args, add_model_args
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    srv = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server that answers through the funnel",
+        description="POST /v1/chat/completions (one image part as a data URI, a text part, "
+        'optional "options": [...]), GET /health, /v1/models, /metrics. Concurrent requests '
+        "are micro-batched (up to --batch-size, or what arrives within --max-wait-ms).",
+    )
+    srv.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    srv.add_argument("--port", type=int, default=8000, help="port (0: any free port)")
+    srv.add_argument("--max-queue", type=int, default=256, help="queued requests before 429")
+    srv.add_argument("--max-wait-ms", type=float, default=10.0, help="micro-batch wait")
+    srv.add_argument("--request-timeout", type=float, default=300.0, help="seconds before 504")
+    srv.add_argument("--model-name", default="speceyes", help="model id in /v1/models")
+    srv.add_argument("--max-body-mb", type=float, default=32.0, help="largest request body")
+    srv.add_argument("--allow-local-files", action="store_true", help="accept file:// image URLs")
+    srv.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every endpoint but /health (401 otherwise); "
+        "default: the SPECEYES_API_KEY environment variable, else no key",
+    )
+    srv.add_argument(
+        "--max-question-chars",
+        type=int,
+        default=limits.MAX_QUESTION_CHARS,
+        help="longest question accepted (413 beyond)",
+    )
+    srv.add_argument(
+        "--max-option-chars",
+        type=int,
+        default=limits.MAX_OPTION_CHARS,
+        help=f"longest option accepted (413 beyond); at most {limits.MAX_OPTIONS} options (400)",
+    )
+    srv.add_argument(
+        "--max-image-pixels",
+        type=int,
+        default=limits.MAX_IMAGE_PIXELS,
+        help="largest image (width x height, read from its header before decoding; 413 beyond)",
+    )
+    srv.add_argument(
+        "--max-pixels-in-flight",
+        type=int,
+        default=limits.MAX_PIXELS_IN_FLIGHT,
+        help="decoded image pixels all admitted requests may hold at once (429 beyond)",
+    )
+    srv.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM/Ctrl-C: seconds to answer admitted requests before exiting",
+    )
+    add_model_args(srv)
+    add_funnel_args(srv)
+    # Accepted answers leave as soon as the gate accepts them, not after their batch-mates.
+    srv.set_defaults(func=run, schedule="pipelined")
+
+
+def run(args: argparse.Namespace) -> int:
+    from speceyes.factory import Settings, build_funnel
+    from speceyes.serve import API_KEY_ENV, serve
+
+    # Fail on bad server settings before minutes of model loading.
+    if args.max_queue < 1 or args.max_wait_ms < 0 or args.request_timeout <= 0:
+        raise ValueError("need --max-queue >= 1, --max-wait-ms >= 0 and --request-timeout > 0")
+    funnel = build_funnel(Settings.from_args(args))
+    return serve(
+        funnel,
+        host=args.host,
+        port=args.port,
+        batch_size=funnel.config.batch_size,
+        max_wait_ms=args.max_wait_ms,
+        max_queue=args.max_queue,
+        model_name=args.model_name,
+        request_timeout=args.request_timeout,
+        allow_local_files=args.allow_local_files,
+        max_body_mb=args.max_body_mb,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        max_question_chars=args.max_question_chars,
+        max_option_chars=args.max_option_chars,
+        max_image_pixels=args.max_image_pixels,
+        max_pixels_in_flight=args.max_pixels_in_flight,
+        drain_timeout=args.drain_timeout,
+    )

@@ -1,0 +1,100 @@
+"""``speceyes simulate``: a discrete-event model of serving the funnel (no GPU)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    sim = sub.add_parser(
+        "simulate",
+        help="discrete-event model of serving the funnel: compare schedules at scale, no GPU",
+        description="Closed-loop clients over continuous-batching engines; schedules agent-only, "
+        "published (batched phases I-II, phase IV one query at a time) and speceyes (ours). "
+        "Writes simulate.md, simulate.csv and simulate.png into --output.",
+    )
+    sim.add_argument("--queries", type=int, default=10_000, help="queries per run")
+    sim.add_argument("--concurrency", default="1,2,4,8,16,32,64,128,256", help="client counts")
+    sim.add_argument("--beta", type=float, default=0.8, help="share judged tool-free")
+    sim.add_argument("--alpha", type=float, default=0.71, help="gate acceptance among them")
+    sim.add_argument("--costs", default=None, help="JSON of CostModel fields / measured seconds")
+    sim.add_argument(
+        "--schedules",
+        default="agent-only,agent-only-2gpu,published,speceyes",
+        help="agent-only (one GPU), agent-only-2gpu (two, data parallel), published, speceyes",
+    )
+    sim.add_argument("--published-batch", type=int, default=None, help="default: the concurrency")
+    sim.add_argument(
+        "--shared-gpu", action="store_true",
+        help="both models on one GPU (default: one GPU each; agent-only always gets one)",
+    )
+    sim.add_argument(
+        "--bench", default=None, choices=["vstar", "hrbench4k", "hrbench8k", "pope", "miniworld"],
+        help="image and crop tokens from smart_resize of this benchmark's images (default: V*)",
+    )
+    sim.add_argument(
+        "--judge", default="large",
+        help="ours' judge variants, comma-separated: large (published), prefix, small, "
+        "small-prefix, none",
+    )
+    sim.add_argument(
+        "--judge-max-pixels", type=int, default=None,
+        help="judge view budget in pixels for the large and small judges",
+    )
+    sim.add_argument(
+        "--alpha-tool", type=float, default=None,
+        help="--judge none: gate acceptance among the queries the judge would send to tools "
+        "(default 0.5)",
+    )
+    sim.add_argument(
+        "--no-prefix-caching", action="store_true",
+        help="engines without prefix caching: every agent turn prefills its whole history",
+    )
+    sim.add_argument("--output", default="runs/simulate", help="output folder")
+    sim.add_argument("--seed", type=int, default=0)
+    sim.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+    from pathlib import Path
+
+    from speceyes import simulate as sm
+
+    costs = sm.bench_costs(args.bench) if args.bench else sm.CostModel()
+    if args.costs:  # the file's fields over the benchmark's token counts
+        data = json.loads(Path(args.costs).read_text())
+        if not isinstance(data, dict):
+            raise ValueError(f"{args.costs}: expected a JSON object of cost fields")
+        base = {k: v for k, v in asdict(costs).items() if k not in data}
+        costs = sm.CostModel.from_dict({**base, **data})
+    if args.shared_gpu:
+        costs.shared_gpu = True
+    if args.no_prefix_caching:
+        costs.prefix_caching = False
+    if args.judge_max_pixels is not None:
+        costs.judge_max_pixels = args.judge_max_pixels
+    costs.validate()
+    cs = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    schedules = [s.strip() for s in args.schedules.split(",") if s.strip()]
+    judges = [j.strip() for j in args.judge.split(",") if j.strip()]
+    rows = sm.simulate(
+        costs, schedules, cs, args.queries, args.beta, args.alpha, args.seed, args.published_batch,
+        judges=judges,
+        alpha_tool=sm.DEFAULT_ALPHA_TOOL if args.alpha_tool is None else args.alpha_tool,
+    )
+    print(sm.format_table(rows))
+    note = ", ".join(
+        x for x in (
+            f"{args.bench} images" if args.bench else "",
+            "one GPU for both models" if costs.shared_gpu else "",
+            "no prefix caching" if not costs.prefix_caching else "",
+            f"judge view {costs.judge_max_pixels} px" if costs.judge_max_pixels else "",
+        ) if x
+    )
+    paths = sm.write_outputs(
+        rows, Path(args.output), costs, args.beta, args.alpha, args.queries, args.seed, note
+    )
+    print(f"wrote {', '.join(str(p) for p in paths)}")
+    return 0
