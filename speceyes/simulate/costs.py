@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -90,7 +90,7 @@ def bench_costs(bench: str, base: CostModel | None = None, **overrides: Any) -> 
 @dataclass
 class CostModel:
     """Costs of the paper's setting: Qwen2.5-VL-7B agent/judge and Qwen3-VL-2B small model, bf16,
-    vLLM on A100-80GB GPUs. Every field can be overridden from JSON (:meth:`from_json`); the
+    vLLM on A100-80GB GPUs. Every field can be overridden from JSON (:meth:`from_file`); the
     sources and the arithmetic of the defaults are in docs/throughput.md:
 
     - decode: a step reads the weights once (7.6B LLM parameters, 15.2 GB) at 77% of the A100's
@@ -346,11 +346,15 @@ class CostModel:
         return costs
 
     @classmethod
-    def from_json(cls, path: str | Path) -> CostModel:
+    def from_file(cls, path: str | Path, base: CostModel | None = None) -> CostModel:
+        """A JSON file of cost fields (and an optional ``measured`` block, see :meth:`from_dict`)
+        over ``base``'s fields (default: the built-in model), e.g. over a benchmark's token
+        counts from :func:`bench_costs`."""
         data = json.loads(Path(path).read_text())
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a JSON object of cost fields")
-        return cls.from_dict(data)
+        kept = {k: v for k, v in asdict(base or cls()).items() if k not in data}
+        return cls.from_dict({**kept, **data})
 
     def calibrated(
         self,
