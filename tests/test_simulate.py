@@ -125,6 +125,23 @@ def test_ours_approaches_the_ideal_gain_when_judge_and_small_are_cheap():
         )
 
 
+def test_without_a_judge_the_ideal_counts_the_tool_queries_the_gate_accepts():
+    """No judge: the gate also accepts a share alpha_tool of the queries the judge would have
+    sent to tools, so the ideal that row is measured against skips those too."""
+    costs, alpha_tool = _cheap_funnel(sm.CostModel()), 0.5
+    rows = sm.simulate(
+        costs, ["agent-only", "speceyes"], [16, 64], n_queries=3000, judges=("large", "none"),
+        alpha_tool=alpha_tool,
+    )
+    gain = 1 / (1 - BETA * ALPHA - (1 - BETA) * alpha_tool)
+    for c in (16, 64):
+        none = next(r for r in rows if r.concurrency == c and r.judge == "none")
+        assert none.vs_agent_only == pytest.approx(gain, rel=0.10)
+        assert none.of_ideal == pytest.approx(1.0, rel=0.10)
+        large = next(r for r in rows if r.concurrency == c and r.judge == "large")
+        assert large.of_ideal == pytest.approx(1.0, rel=0.10)  # its own ideal, beta*alpha
+
+
 def test_published_is_at_least_2x_slower_than_ours_at_c16():
     rows = sm.simulate(None, ["published", "speceyes"], [16], n_queries=1500)
     ours, pub = _row(rows, "speceyes", 16), _row(rows, "published", 16)

@@ -48,7 +48,8 @@ Image token counts per benchmark come from Qwen's smart_resize of the benchmark'
 Workload: a closed loop of C clients; each sends its next query when its previous one returns,
 until ``n_queries`` have been sent. Throughput = n_queries / makespan.
 
-The ideal is ``throughput(agent-only, C) / (1 - beta*alpha)``; the analytic batch-1 latency is
+The ideal is ``throughput(agent-only, C) / (1 - beta*alpha)`` (without a judge the share that
+skips the agent is ``beta*alpha + (1 - beta)*alpha_tool``); the analytic batch-1 latency is
 ``E[L] = c_J + beta*c_S + (1 - beta*alpha)*L_agent`` (DESIGN.md section 1).
 """
 

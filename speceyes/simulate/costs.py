@@ -433,6 +433,12 @@ def tool_turn_prefill_s(costs: CostModel, ctx: int, k: int) -> float:
 # --- batch-1 analytics -----------------------------------------------------------------------
 
 
+def ideal_gain(skipped: float) -> float:
+    """Throughput over agent-only if a share ``skipped`` of the queries never reached the agent
+    and the rest cost nothing more: 1 / (1 - skipped)."""
+    return 1.0 / (1.0 - skipped) if skipped < 1 else math.inf
+
+
 @dataclass
 class Analytic:
     c_judge: float
@@ -447,7 +453,7 @@ def analytic(costs: CostModel, beta: float, alpha: float) -> Analytic:
     cj, cs, la = costs.judge_s(), costs.small_s(), costs.agent_s()
     both = max(cj, cs)
     overlap = (1 - beta) * (cj + la) + beta * (both + (1 - alpha) * la)
-    gain = 1.0 / (1.0 - beta * alpha) if beta * alpha < 1 else math.inf
+    gain = ideal_gain(beta * alpha)
     return Analytic(cj, cs, la, float(analytic_latency(cj, cs, la, beta, alpha)), overlap, gain)
 
 

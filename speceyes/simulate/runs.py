@@ -12,7 +12,14 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from speceyes.funnel import JUDGES  # the same variants the funnel runs
-from speceyes.simulate.costs import LARGE, SMALL, CostModel, analytic, tool_turn_prefill_s
+from speceyes.simulate.costs import (
+    LARGE,
+    SMALL,
+    CostModel,
+    analytic,
+    ideal_gain,
+    tool_turn_prefill_s,
+)
 from speceyes.simulate.engine import Callback, _Engine, _Model, _Sim, _stats
 
 SCHEDULES: tuple[str, ...] = ("agent-only", "agent-only-2gpu", "published", "speceyes")
@@ -409,7 +416,9 @@ class Row:
     large_util: float  # busy share of the makespan
     small_util: float
     vs_agent_only: float  # throughput / agent-only throughput (one GPU) at the same C
-    of_ideal: float  # throughput / (agent-only throughput / (1 - beta*alpha))
+    # throughput / (agent-only throughput / (1 - share that skips the agent)): beta*alpha, and
+    # without a judge also (1 - beta)*alpha_tool, accepted among the queries it sends to tools
+    of_ideal: float
     judge: str = "-"  # ours: the judge variant; published: "large"
     gpus: int = 1
     per_gpu_vs_agent_only: float = math.nan  # (throughput / gpus) / agent-only throughput
@@ -443,6 +452,7 @@ def simulate(
         raise ValueError(f"unknown judge {bad[0] if bad else ''!r}; choose from {', '.join(JUDGES)}")
     d = draw(costs, n_queries, beta, alpha, seed, alpha_tool)
     gain = analytic(costs, beta, alpha).ideal_gain
+    gain_no_judge = ideal_gain(beta * alpha + (1 - beta) * alpha_tool)
     pair = 1 if costs.shared_gpu else 2  # GPUs of the two-model schedules
     runs: list[tuple[str, str]] = []
     for s in sorted(dict.fromkeys(schedules), key=SCHEDULES.index):
@@ -472,7 +482,8 @@ def simulate(
         for row in here:
             if base is not None:
                 row.vs_agent_only = row.throughput / base
-                row.of_ideal = row.throughput / (base * gain)
+                ideal = base * (gain_no_judge if row.judge == "none" else gain)
+                row.of_ideal = row.throughput / ideal
                 row.per_gpu_vs_agent_only = row.throughput / row.gpus / base
             if base2 is not None:
                 row.vs_agent_only_2gpu = row.throughput / base2
