@@ -137,7 +137,7 @@ def main() -> int:
     ap.add_argument("--costs", default=None, help="CostModel JSON (default: the built-in model)")
     ap.add_argument("--no-sweep", action="store_true", help="part 1 only")
     args = ap.parse_args()
-    costs = sm.CostModel.from_json(args.costs) if args.costs else sm.CostModel()
+    costs = sm.CostModel.from_file(args.costs) if args.costs else sm.CostModel()
     cs = list(sm.DEFAULT_CONCURRENCIES)
     n, b, a, seed = args.queries, args.beta, args.alpha, args.seed
 

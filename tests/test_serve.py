@@ -34,7 +34,7 @@ pytest.importorskip("aiohttp")
 from speceyes.agents.zoom import ZoomAgent  # noqa: E402
 from speceyes.funnel import Funnel, FunnelConfig  # noqa: E402
 from speceyes.images import to_data_uri  # noqa: E402
-from speceyes.serve import API_KEY_ENV, create_app  # noqa: E402
+from speceyes.serve import API_KEY_ENV, STATE_KEY, ServeSettings, create_app  # noqa: E402
 from speceyes.types import Query  # noqa: E402
 from tests.conftest import make_scene  # noqa: E402
 from tests.tools.hostile import hostile_requests, text_part  # noqa: E402
@@ -593,10 +593,36 @@ def test_pipelined_server_answers_as_the_direct_run(q3, q25):
         )
 
 
+class _NoModels:  # control flow only: create_app reads the funnel's config, nothing runs
+    config = FunnelConfig(batch_size=3)
+
+
+def test_settings_are_checked_and_options_replace_single_fields():
+    stub = _NoModels()
+    bad = [
+        (ServeSettings(max_queue=0), "max_queue"),
+        (ServeSettings(max_wait_ms=-1), "max_wait_ms"),
+        (ServeSettings(request_timeout=0), "request_timeout"),
+        (ServeSettings(max_option_chars=0), "max_option_chars"),
+        (ServeSettings(max_image_pixels=10, max_pixels_in_flight=9), "max_pixels_in_flight"),
+        (ServeSettings(api_key="  "), "api_key"),
+        (ServeSettings(batch_size=0), "batch_size"),
+    ]
+    for settings, what in bad:
+        with pytest.raises(ValueError, match=what):
+            create_app(stub, settings)
+    state = create_app(stub, ServeSettings(max_queue=5, model_name="m"))[STATE_KEY]
+    assert (state.batch_size, state.max_queue, state.model_name) == (3, 5, "m")  # the funnel's
+    state = create_app(stub, ServeSettings(max_queue=5), batch_size=2, max_wait_ms=40)[STATE_KEY]
+    assert (state.batch_size, state.max_queue, state.max_wait) == (2, 5, 0.04)
+    with pytest.raises(TypeError):
+        create_app(stub, no_such_setting=1)
+
+
 STUCK_SERVER = """
 import sys, time
 from speceyes.funnel import FunnelConfig, FunnelStats
-from speceyes.serve import serve
+from speceyes.serve import ServeSettings, serve
 
 class Stuck:  # control flow only: a funnel whose model call never returns
     config, stats = FunnelConfig(batch_size=1), FunnelStats()
@@ -605,7 +631,7 @@ class Stuck:  # control flow only: a funnel whose model call never returns
             time.sleep(3600)
         yield from ()
 
-serve(Stuck(), port=0, drain_timeout=float(sys.argv[1]))
+serve(Stuck(), ServeSettings(port=0, drain_timeout=float(sys.argv[1])))
 """
 
 

@@ -125,6 +125,23 @@ def test_ours_approaches_the_ideal_gain_when_judge_and_small_are_cheap():
         )
 
 
+def test_without_a_judge_the_ideal_counts_the_tool_queries_the_gate_accepts():
+    """No judge: the gate also accepts a share alpha_tool of the queries the judge would have
+    sent to tools, so the ideal that row is measured against skips those too."""
+    costs, alpha_tool = _cheap_funnel(sm.CostModel()), 0.5
+    rows = sm.simulate(
+        costs, ["agent-only", "speceyes"], [16, 64], n_queries=3000, judges=("large", "none"),
+        alpha_tool=alpha_tool,
+    )
+    gain = 1 / (1 - BETA * ALPHA - (1 - BETA) * alpha_tool)
+    for c in (16, 64):
+        none = next(r for r in rows if r.concurrency == c and r.judge == "none")
+        assert none.vs_agent_only == pytest.approx(gain, rel=0.10)
+        assert none.of_ideal == pytest.approx(1.0, rel=0.10)
+        large = next(r for r in rows if r.concurrency == c and r.judge == "large")
+        assert large.of_ideal == pytest.approx(1.0, rel=0.10)  # its own ideal, beta*alpha
+
+
 def test_published_is_at_least_2x_slower_than_ours_at_c16():
     rows = sm.simulate(None, ["published", "speceyes"], [16], n_queries=1500)
     ours, pub = _row(rows, "speceyes", 16), _row(rows, "published", 16)
@@ -165,14 +182,14 @@ def test_shared_gpu_is_slower_than_two_gpus_for_ours():
     assert one.throughput < two.throughput
 
 
-def test_costs_from_json_overrides_and_measured_calibration(tmp_path):
+def test_costs_from_file_overrides_and_measured_calibration(tmp_path):
     base = sm.CostModel()
     f = tmp_path / "costs.json"
     f.write_text(
         '{"large_gamma": 0.1, "large_batch_curve": [[1, 1.0], [8, 1.5], [32, 3.0]],'
         ' "measured": {"judge_s": 0.3, "small_s": 0.12, "agent_s": 12.0}}'
     )
-    c = sm.CostModel.from_json(f)
+    c = sm.CostModel.from_file(f)
     assert c.large_gamma == 0.1
     assert c.judge_s() == pytest.approx(0.3)
     assert c.small_s() == pytest.approx(0.12)
@@ -185,6 +202,19 @@ def test_costs_from_json_overrides_and_measured_calibration(tmp_path):
         sm.CostModel.from_dict({"large_decode": 1})
     with pytest.raises(ValueError, match="tool_call_probs"):
         sm.CostModel.from_dict({"tool_call_probs": [0.5, 0.2]})
+
+
+def test_cost_file_fields_go_over_a_benchmarks_token_counts(tmp_path):
+    hr = sm.bench_costs("hrbench8k")
+    f = tmp_path / "costs.json"
+    f.write_text('{"crop_tokens": 123, "large_decode_s": 0.02}')
+    c = sm.CostModel.from_file(f, base=hr)
+    assert (c.crop_tokens, c.large_decode_s) == (123, 0.02)  # the file's fields win
+    assert (c.image_tokens, c.small_image_tokens) == (hr.image_tokens, hr.small_image_tokens)
+    assert c.image_tokens != sm.CostModel().image_tokens  # the base's, not the defaults
+    f.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="expected a JSON object"):
+        sm.CostModel.from_file(f, base=hr)
 
 
 def test_outputs_table_csv_and_png(tmp_path):

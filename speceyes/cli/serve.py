@@ -69,14 +69,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from speceyes.factory import Settings, build_funnel
-    from speceyes.serve import API_KEY_ENV, serve
+    from speceyes.serve import API_KEY_ENV, ServeSettings, serve
 
     # Fail on bad server settings before minutes of model loading.
     if args.max_queue < 1 or args.max_wait_ms < 0 or args.request_timeout <= 0:
         raise ValueError("need --max-queue >= 1, --max-wait-ms >= 0 and --request-timeout > 0")
     funnel = build_funnel(Settings.from_args(args))
-    return serve(
-        funnel,
+    settings = ServeSettings(
         host=args.host,
         port=args.port,
         batch_size=funnel.config.batch_size,
@@ -93,3 +92,4 @@ def run(args: argparse.Namespace) -> int:
         max_pixels_in_flight=args.max_pixels_in_flight,
         drain_timeout=args.drain_timeout,
     )
+    return serve(funnel, settings)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -57,18 +56,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dataclasses import asdict
     from pathlib import Path
 
     from speceyes import simulate as sm
 
     costs = sm.bench_costs(args.bench) if args.bench else sm.CostModel()
     if args.costs:  # the file's fields over the benchmark's token counts
-        data = json.loads(Path(args.costs).read_text())
-        if not isinstance(data, dict):
-            raise ValueError(f"{args.costs}: expected a JSON object of cost fields")
-        base = {k: v for k, v in asdict(costs).items() if k not in data}
-        costs = sm.CostModel.from_dict({**base, **data})
+        costs = sm.CostModel.from_file(args.costs, base=costs)
     if args.shared_gpu:
         costs.shared_gpu = True
     if args.no_prefix_caching:

@@ -1,0 +1,77 @@
+"""``speceyes serve``: an OpenAI-compatible HTTP server that answers through the funnel.
+
+Endpoints:
+
+* ``POST /v1/chat/completions`` - an OpenAI chat request whose user message holds one image part
+  (``image_url`` with a ``data:image/...;base64,`` URI, or ``file://`` with --allow-local-files)
+  and a text part (the question). Multiple-choice options go in the extra body field
+  ``"options": [...]``. The reply is a standard ``chat.completion`` plus a top-level
+  ``"speceyes"`` object (route, confidence, p_tool, tool calls, small answer, timings).
+  System prompts, sampling parameters and ``max_tokens`` are ignored: the funnel uses its own
+  prompts and greedy decoding, as the method requires.
+* ``GET /health``, ``GET /v1/models``, ``GET /metrics`` (Prometheus text format).
+
+Scheduling: requests are parsed and their images decoded on the event loop's side (decoding in a
+small thread pool), then queued. The funnel runs in one thread of its own, off the event loop
+(``/health`` answers while it works), over a stream of micro-batches: whenever the funnel's
+schedule is ready for another batch, the batcher hands it up to ``batch_size`` requests, or what
+arrived within ``max_wait_ms`` of the oldest one. On the pipelined schedule (the CLI's default
+for ``serve``) a batch is drawn as soon as the previous one passed phases I-III, and an answer
+the gate accepted is sent at once instead of waiting for its batch-mates' agent loops.
+
+Limits (defaults in :mod:`speceyes.limits`): question and option length (413), option count
+(400), lone surrogates (400), image pixels read from the header before decoding (413), and a
+server-wide budget of decoded pixels held by admitted requests (429 when spent).
+
+Backpressure: at most ``max_queue`` requests are admitted and not yet running (their bodies and
+images are the memory that grows with load); beyond that a request is answered 429 before its
+body is read. Each request has an end-to-end deadline (``request_timeout``, 504).
+
+Security: with ``api_key`` every endpoint but ``/health`` needs ``Authorization: Bearer <key>``
+(401 otherwise), as vLLM and SGLang do. A 500 says only "internal error" and a request id; the
+details are in the server log under that id (every response carries it as ``X-Request-Id``).
+Shutdown (SIGTERM, Ctrl-C): stop accepting, answer what was admitted for up to
+``drain_timeout`` seconds, then exit; the funnel thread never keeps the process alive.
+
+Modules: :mod:`~speceyes.serve.request` (parsing, limits, images, error bodies),
+:mod:`~speceyes.serve.metrics`, :mod:`~speceyes.serve.state` (queue, batcher, funnel thread) and
+:mod:`~speceyes.serve.app` (handlers, ``ServeSettings``, ``create_app``, ``serve``).
+"""
+
+from speceyes.serve.app import (
+    API_KEY_ENV,
+    CHAT_PATH,
+    REQUEST_ID_HEADER,
+    STATE_KEY,
+    Server,
+    ServeSettings,
+    create_app,
+    serve,
+)
+from speceyes.serve.metrics import Metrics
+from speceyes.serve.request import (
+    ChatRequest,
+    RequestError,
+    header_pixels,
+    parse_chat_request,
+    resolve_image,
+)
+from speceyes.serve.state import ServerState
+
+__all__ = [
+    "API_KEY_ENV",
+    "CHAT_PATH",
+    "REQUEST_ID_HEADER",
+    "STATE_KEY",
+    "ChatRequest",
+    "Metrics",
+    "RequestError",
+    "ServeSettings",
+    "Server",
+    "ServerState",
+    "create_app",
+    "header_pixels",
+    "parse_chat_request",
+    "resolve_image",
+    "serve",
+]

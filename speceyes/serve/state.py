@@ -1,0 +1,219 @@
+"""The server's state and its machinery off the HTTP handlers: the admission queue, the batcher
+on the event loop that hands micro-batches to the funnel, the funnel's own thread, and the
+start, drain and shutdown of all three."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from speceyes import limits
+from speceyes.serve.metrics import Metrics
+from speceyes.types import PHASES, Query, Result
+
+if TYPE_CHECKING:
+    from speceyes.funnel import Funnel
+
+log = logging.getLogger(__package__)  # one logger for the server: speceyes.serve
+
+
+class ServerClosing(Exception):
+    pass
+
+
+@dataclass(eq=False)
+class _Item:
+    query: Query
+    future: asyncio.Future[tuple[Result, int, float]]
+    enqueued: float
+    pixels: int = 0  # decoded pixels this request holds in the server-wide budget
+    started: bool = False  # handed to the funnel
+    handed: float = 0.0
+    batch_size: int = 0
+
+
+@dataclass
+class ServerState:
+    """What the server holds while it runs: its limits, the requests admitted, waiting and handed
+    to the funnel, the decoded-pixel budget, and the batcher and funnel thread that serve them."""
+
+    funnel: Funnel
+    batch_size: int
+    max_wait: float  # seconds
+    max_queue: int
+    model_name: str
+    request_timeout: float | None
+    allow_local_files: bool
+    api_key: str | None = None
+    max_question_chars: int = limits.MAX_QUESTION_CHARS
+    max_option_chars: int = limits.MAX_OPTION_CHARS
+    max_image_pixels: int = limits.MAX_IMAGE_PIXELS
+    max_pixels_in_flight: int = limits.MAX_PIXELS_IN_FLIGHT
+    metrics: Metrics = field(default_factory=Metrics)
+    waiting: deque[_Item] = field(default_factory=deque)
+    pending: dict[str, _Item] = field(default_factory=dict)  # handed to the funnel, unanswered
+    admitted: int = 0  # requests holding a queue slot: being read/decoded or waiting
+    pixels_in_flight: int = 0
+    closing: bool = False  # new requests get 503; admitted ones are still answered
+    stopped: bool = False  # past the drain: nothing more is answered
+    started_at: float = field(default_factory=time.time)
+    decoder: ThreadPoolExecutor | None = None
+    arrived: asyncio.Event | None = None
+    want: asyncio.Event | None = None  # the funnel is ready for another batch
+    handoff: queue.SimpleQueue[list[_Item] | None] = field(default_factory=queue.SimpleQueue)
+    batcher: asyncio.Task[None] | None = None
+    loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def inflight(self) -> int:
+        """Queries handed to the funnel and not answered yet."""
+        return len(self.pending)
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    async def start(self, _app: web.Application) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.decoder = ThreadPoolExecutor(
+            max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="speceyes-decode"
+        )
+        self.arrived, self.want = asyncio.Event(), asyncio.Event()
+        self.batcher = self.loop.create_task(self._batch_loop())
+        # A daemon thread, not an executor: a batch stuck in a model call must not keep the
+        # process alive after SIGTERM (executor threads are joined at interpreter exit).
+        threading.Thread(target=self._funnel_main, name="speceyes-funnel", daemon=True).start()
+
+    async def drain(self, timeout: float) -> bool:
+        """Refuse new requests (503) and wait up to ``timeout`` s for the admitted ones."""
+        self.closing = True
+        assert self.loop is not None
+        deadline = self.loop.time() + timeout
+        while self.admitted or self.pending:
+            if self.loop.time() >= deadline:
+                return False
+            await asyncio.sleep(0.02)
+        return True
+
+    async def shutdown(self, _app: web.Application) -> None:
+        """Stop admitting; requests not answered yet get 503."""
+        self.closing = self.stopped = True
+        closing = ServerClosing("the server is shutting down")
+        while self.waiting:
+            item = self.waiting.popleft()
+            if not item.future.done():
+                item.future.set_exception(closing)
+        self._fail_pending(closing, count=False)
+
+    async def cleanup(self, _app: web.Application) -> None:
+        if self.batcher is not None:
+            self.batcher.cancel()
+            try:
+                await self.batcher
+            except asyncio.CancelledError:
+                pass
+        self.handoff.put(None)  # the funnel thread ends after its current model call
+        if self.decoder is not None:
+            self.decoder.shutdown(wait=False, cancel_futures=True)
+
+    # ---- the funnel thread ----------------------------------------------------------------
+    def _post(self, fn: Callable[..., None], *args: Any) -> bool:
+        """Run ``fn`` on the event loop; False once the loop is gone."""
+        assert self.loop is not None
+        try:
+            self.loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:
+            return False
+        return True
+
+    def _funnel_main(self) -> None:
+        want = self.want
+        assert want is not None
+
+        def batches() -> Iterator[list[Query]]:
+            while self._post(want.set):
+                batch = self.handoff.get()
+                if batch is None:
+                    return
+                yield [it.query for it in batch]
+
+        while True:
+            try:
+                # Looked up each time so that a wrapper installed on the funnel is seen.
+                for r in self.funnel.iter_batches(batches()):
+                    if not self._post(self._resolve, r):
+                        return
+                return  # the server closed the stream of batches
+            except Exception as e:  # per-query errors are results: this is the funnel's own
+                log.exception("speceyes serve: funnel failed; its unanswered queries get 500")
+                if not self._post(self._fail_pending, e):
+                    return
+
+    # ---- batching (event loop) ------------------------------------------------------------
+    async def _batch_loop(self) -> None:
+        assert self.arrived is not None and self.want is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            await self.want.wait()
+            self.want.clear()
+            while not self.waiting:
+                self.arrived.clear()
+                await self.arrived.wait()
+            # Wait for a full batch, but never past max_wait after the oldest request arrived:
+            # under load the queue refills while the funnel works and the next batch is ready.
+            deadline = self.waiting[0].enqueued + self.max_wait
+            while len(self.waiting) < self.batch_size:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    break
+                self.arrived.clear()
+                try:
+                    await asyncio.wait_for(self.arrived.wait(), remaining)
+                except TimeoutError:
+                    break
+            batch: list[_Item] = []
+            now = loop.time()
+            while self.waiting and len(batch) < self.batch_size:
+                item = self.waiting.popleft()
+                item.started, item.handed = True, now
+                self.admitted -= 1
+                self.pending[item.query.id] = item
+                batch.append(item)
+            for item in batch:
+                item.batch_size = len(batch)
+            self.metrics.batch_size.observe(len(batch))
+            self.handoff.put(batch)
+
+    def _release(self, item: _Item) -> None:
+        self.pixels_in_flight -= item.pixels
+        item.pixels = 0
+
+    def _resolve(self, r: Result) -> None:
+        item = self.pending.pop(r.id, None)
+        if item is None:
+            return
+        self._release(item)
+        self.metrics.routes.labels(route=r.route).inc()
+        for p in PHASES:
+            if p in r.timings:
+                self.metrics.phases.labels(phase=p).observe(r.timings[p])
+        if not item.future.done():  # done: the request timed out or was cancelled
+            item.future.set_result((r, item.batch_size, item.handed - item.enqueued))
+
+    def _fail_pending(self, e: BaseException, count: bool = True) -> None:
+        if count and self.pending:
+            self.metrics.batch_errors.inc()
+        items = list(self.pending.values())
+        self.pending.clear()
+        for item in items:
+            self._release(item)
+            if not item.future.done():
+                item.future.set_exception(e)

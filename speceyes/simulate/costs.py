@@ -1,0 +1,487 @@
+"""The cost model: what each model call costs on the engines (token counts, prefill, decode
+steps, KV cache), the image tokens of each benchmark, and the batch-1 analytics built on them."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from speceyes.images import smart_resize
+from speceyes.rates import analytic_latency
+
+LARGE, SMALL = 0, 1  # model classes on an engine
+
+
+# --- image tokens per benchmark ----------------------------------------------------------------
+
+# Qwen2.5-VL (the DeepEyes agent and the judge): 28 px per visual token (14 px patches, 2x2
+# merge), DeepEyes' pixel limits. Qwen3-VL (the small model): 32 px per token, its processor's
+# limits (16384 tokens).
+LARGE_FACTOR, LARGE_MIN_PIXELS, LARGE_MAX_PIXELS = 28, 4 * 28 * 28, 16384 * 28 * 28
+SMALL_FACTOR, SMALL_MIN_PIXELS, SMALL_MAX_PIXELS = 32, 4 * 32 * 32, 16384 * 32 * 32
+# A DeepEyes zoom box is this share of the image's width and height (an assumption: about 600
+# tokens of crop on a V* image); the crop is cut from the ORIGINAL image and smart_resized.
+CROP_SIDE_FRACTION = 0.36
+
+
+@dataclass(frozen=True)
+class BenchImages:
+    size: tuple[int, int]  # (width, height) used for the token counts
+    note: str  # where the size comes from
+
+
+BENCH_IMAGES: dict[str, BenchImages] = {
+    "vstar": BenchImages(
+        (2246, 1582),
+        "V* Bench: 191 images, average 2246x1582 (Wu & Xie, arXiv 2312.14135); range "
+        "1690x1500 to 5759x1440",
+    ),
+    "hrbench4k": BenchImages(
+        (4096, 2160),
+        "HR-Bench 4K: 4K crops of 8K images (Wang et al., arXiv 2408.15556); 4096x2160 taken "
+        "as typical (a 4096x3000 image gives 15.6k tokens)",
+    ),
+    "hrbench8k": BenchImages(
+        (7680, 4320),
+        "HR-Bench 8K: 8K images from DIV8K and the web (arXiv 2408.15556); downscaled to the "
+        "16384-token cap",
+    ),
+    "pope": BenchImages(
+        (640, 480), "POPE: COCO val2014 images, longest side 640 px (arXiv 2305.10355)"
+    ),
+    "miniworld": BenchImages((1024, 1024), "the mini world's 1024x1024 canvas"),
+}
+
+
+def image_tokens(
+    width: int, height: int, factor: int = LARGE_FACTOR, min_pixels: int = LARGE_MIN_PIXELS,
+    max_pixels: int = LARGE_MAX_PIXELS,
+) -> int:
+    """Visual tokens of an image after Qwen's smart_resize: one per ``factor`` x ``factor``."""
+    h, w = smart_resize(height, width, factor, min_pixels, max_pixels)
+    return (h // factor) * (w // factor)
+
+
+def bench_costs(bench: str, base: CostModel | None = None, **overrides: Any) -> CostModel:
+    """``base`` (default :class:`CostModel`) with the token counts of a benchmark's images:
+    the large model's and the small model's view of its image and of a DeepEyes crop."""
+    if bench not in BENCH_IMAGES:
+        raise ValueError(f"unknown benchmark {bench!r}; choose from {', '.join(BENCH_IMAGES)}")
+    w, h = BENCH_IMAGES[bench].size
+    cw, ch = max(1, round(w * CROP_SIDE_FRACTION)), max(1, round(h * CROP_SIDE_FRACTION))
+    costs = replace(
+        base or CostModel(),
+        image_tokens=image_tokens(w, h),
+        small_image_tokens=image_tokens(w, h, SMALL_FACTOR, SMALL_MIN_PIXELS, SMALL_MAX_PIXELS),
+        crop_tokens=image_tokens(cw, ch),
+        image_wh=[w, h],
+    )
+    costs = replace(costs, **overrides)
+    costs.validate()
+    return costs
+
+
+@dataclass
+class CostModel:
+    """Costs of the paper's setting: Qwen2.5-VL-7B agent/judge and Qwen3-VL-2B small model, bf16,
+    vLLM on A100-80GB GPUs. Every field can be overridden from JSON (:meth:`from_file`); the
+    sources and the arithmetic of the defaults are in docs/throughput.md:
+
+    - decode: a step reads the weights once (7.6B LLM parameters, 15.2 GB) at 77% of the A100's
+      2.04 TB/s (what vLLM reaches at batch 1 on an A100 for an 8B model): 9.7 ms; ``gamma``
+      0.02 per extra sequence (vLLM's 6.6x throughput at 8 concurrent requests, less its KV
+      reads); plus each sequence's KV cache read every step (57 KB per token for Qwen2.5-7B);
+    - prefill: FLOPs at 55% of the A100's 312 TFLOPS bf16 (2 x 7.6 G per token, plus 6.9 G per
+      image token for the vision encoder); at most 8192 prefill tokens join a step;
+    - KV cache: 90% of 80 GB less weights and activations, in tokens (861k for the 7B alone);
+    - the 2B small model: 5 ms per decode step, about a third of the 7B's prefill per token;
+    - images: V* by default, 4480 visual tokens for the large model, 3430 for the small one
+      (:func:`bench_costs` for the others); prompt text 120 (judge), 80 (small), 350 (DeepEyes);
+    - judge = one prefill + 1 token (the logit judge); small answer = prefill + 5 tokens;
+    - agent = K tool calls (P(K=0..5) below, mean 1.83) + the answer turn, so ~2.8 turns; each turn
+      decodes U[100, 300] tokens; a tool turn prefills the crop and 60 tokens of tool text
+      (prefix caching keeps the history; without it the whole history is prefilled again); each
+      tool call spends 10 ms on the CPU.
+    """
+
+    large_decode_s: float = 0.0097
+    large_gamma: float = 0.02
+    large_prefill_s_per_token: float = 9.4e-5
+    large_vit_s_per_token: float = 4.0e-5  # extra per image token: the vision encoder
+    large_kv_read_s_per_token: float = 3.65e-8  # per context token per decode step
+    large_max_batch: int = 256  # vLLM's default max_num_seqs
+    large_batch_curve: list[list[float]] | None = None  # [[b, t(b)/t(1)], ...] overrides gamma
+    small_decode_s: float = 0.005
+    small_gamma: float = 0.02
+    small_prefill_s_per_token: float = 2.85e-5
+    small_vit_s_per_token: float = 5.6e-5
+    small_kv_read_s_per_token: float = 7.3e-8
+    small_max_batch: int = 256
+    small_batch_curve: list[list[float]] | None = None
+    prefill_budget_tokens: int = 8192
+    shared_gpu: bool = False  # both models on one GPU: their steps run one after the other
+    prefix_caching: bool = True  # vLLM's automatic prefix caching / SGLang's radix cache
+
+    # KV-cache capacity in tokens; None derives it from the memory below
+    large_kv_tokens: int | None = None
+    small_kv_tokens: int | None = None
+    gpu_mem_gb: float = 80.0
+    gpu_mem_util: float = 0.9  # vLLM's default --gpu-memory-utilization
+    large_weights_gb: float = 16.6  # Qwen2.5-VL-7B, 8.3B parameters in bf16
+    small_weights_gb: float = 4.3  # Qwen3-VL-2B
+    large_reserve_gb: float = 6.0  # activations, vision encoder, CUDA graphs (assumed)
+    small_reserve_gb: float = 4.0
+    large_kv_bytes_per_token: int = 57344  # 28 layers x 4 KV heads x 128 x (K, V) x 2 bytes
+    small_kv_bytes_per_token: int = 114688  # 28 layers x 8 KV heads x 128 x 2 x 2 bytes
+    shared_small_kv_gb: float = 8.0  # the small model's KV cache when both share one GPU
+
+    image_tokens: int = 4480  # the large model's view of the image (V*: 2246x1582)
+    small_image_tokens: int | None = 3430  # the small model's view; None: same as image_tokens
+    image_wh: list[int] | None = field(default_factory=lambda: [2246, 1582])
+    judge_image_tokens: int | None = None  # None: the full image; less models a smaller view
+    judge_max_pixels: int | None = None  # a judge view budget in pixels (needs image_wh)
+    judge_text_tokens: int = 120
+    small_text_tokens: int = 80
+    agent_text_tokens: int = 350
+    prefix_judge_tokens: int = 90  # the judge question turn after a shared prefix
+    prefix_tail_tokens: int = 16  # recomputed after a cache hit (only full blocks are cached)
+    judge_decode_tokens: int = 1
+    small_decode_tokens: int = 5
+    tool_call_probs: list[float] = field(
+        default_factory=lambda: [0.10, 0.35, 0.30, 0.15, 0.07, 0.03]
+    )
+    turn_tokens_min: int = 100
+    turn_tokens_max: int = 300
+    crop_tokens: int = 580  # a DeepEyes zoom crop (V*: 36% of each side, smart_resized)
+    tool_text_tokens: int = 60
+    tool_s: float = 0.01
+
+    def validate(self) -> None:
+        p = np.asarray(self.tool_call_probs, dtype=np.float64)
+        if p.ndim != 1 or p.size == 0 or (p < 0).any() or abs(p.sum() - 1.0) > 1e-6:
+            raise ValueError(f"tool_call_probs must be probabilities summing to 1, got {p}")
+        if min(self.large_decode_s, self.small_decode_s) <= 0:
+            raise ValueError("decode step times must be positive")
+        costs = (
+            self.large_prefill_s_per_token, self.small_prefill_s_per_token, self.tool_s,
+            self.large_vit_s_per_token, self.small_vit_s_per_token,
+            self.large_kv_read_s_per_token, self.small_kv_read_s_per_token,
+        )
+        if min(costs) < 0:
+            raise ValueError("prefill, KV-read and tool costs must be non-negative")
+        if min(self.large_max_batch, self.small_max_batch, self.prefill_budget_tokens) < 1:
+            raise ValueError("max batch and prefill budget must be >= 1")
+        if min(self.judge_decode_tokens, self.small_decode_tokens, self.turn_tokens_min) < 1:
+            raise ValueError("every model call decodes at least one token")
+        if self.turn_tokens_max < self.turn_tokens_min:
+            raise ValueError("turn_tokens_max < turn_tokens_min")
+        if self.judge_max_pixels is not None and self.judge_max_pixels < LARGE_MIN_PIXELS:
+            raise ValueError(f"judge_max_pixels must be >= {LARGE_MIN_PIXELS}")
+        for cls in (LARGE, SMALL):
+            if self.kv_tokens(cls) < 1:
+                raise ValueError(
+                    "no KV-cache memory left: weights and reserves exceed the GPU memory"
+                )
+        for curve in (self.large_batch_curve, self.small_batch_curve):
+            if curve is not None:
+                _curve_table(curve, 2)  # raises on a malformed curve
+
+    # --- per-model constants -------------------------------------------------------------------
+    def step_table(self, cls: int) -> list[float]:
+        """Decode-step seconds for 0..max_batch sequences of one model class (weights and
+        per-sequence work; the KV-cache reads come on top, per context token)."""
+        if cls == LARGE:
+            t1, gamma, curve, mb = (
+                self.large_decode_s, self.large_gamma, self.large_batch_curve, self.large_max_batch
+            )
+        else:
+            t1, gamma, curve, mb = (
+                self.small_decode_s, self.small_gamma, self.small_batch_curve, self.small_max_batch
+            )
+        if curve is not None:
+            factors = _curve_table(curve, mb)
+        else:
+            factors = [0.0] + [1.0 + gamma * (b - 1) for b in range(1, mb + 1)]
+        return [t1 * f for f in factors]
+
+    def kv_read(self, cls: int) -> float:
+        return self.large_kv_read_s_per_token if cls == LARGE else self.small_kv_read_s_per_token
+
+    def kv_tokens(self, cls: int) -> int:
+        """KV-cache capacity of one model's engine, in tokens (on its own GPU, or sharing one)."""
+        given = self.large_kv_tokens if cls == LARGE else self.small_kv_tokens
+        if given is not None:
+            return int(given)
+        usable = self.gpu_mem_gb * self.gpu_mem_util
+        if self.shared_gpu:
+            if cls == SMALL:
+                kv_gb = self.shared_small_kv_gb
+            else:
+                kv_gb = (
+                    usable - self.large_weights_gb - self.small_weights_gb
+                    - self.large_reserve_gb - self.small_reserve_gb - self.shared_small_kv_gb
+                )
+        elif cls == LARGE:
+            kv_gb = usable - self.large_weights_gb - self.large_reserve_gb
+        else:
+            kv_gb = usable - self.small_weights_gb - self.small_reserve_gb
+        per = self.large_kv_bytes_per_token if cls == LARGE else self.small_kv_bytes_per_token
+        return int(kv_gb * 1e9 // per)
+
+    def prefill_s(self, cls: int, text: int, image: int = 0) -> float:
+        """Seconds to prefill ``text`` text tokens and ``image`` image tokens."""
+        if cls == LARGE:
+            pp, vit = self.large_prefill_s_per_token, self.large_vit_s_per_token
+        else:
+            pp, vit = self.small_prefill_s_per_token, self.small_vit_s_per_token
+        return (text + image) * pp + image * vit
+
+    # --- token counts ----------------------------------------------------------------------------
+    @property
+    def small_view_tokens(self) -> int:
+        return self.image_tokens if self.small_image_tokens is None else self.small_image_tokens
+
+    def judge_view_tokens(self, cls: int = LARGE) -> int:
+        """Image tokens the judge sees on model ``cls`` (the view budget applied)."""
+        if cls == LARGE and self.judge_image_tokens is not None:
+            return self.judge_image_tokens
+        full = self.image_tokens if cls == LARGE else self.small_view_tokens
+        if self.judge_max_pixels is None:
+            return full
+        factor, lo = (
+            (LARGE_FACTOR, LARGE_MIN_PIXELS) if cls == LARGE else (SMALL_FACTOR, SMALL_MIN_PIXELS)
+        )
+        if self.image_wh:
+            w, h = self.image_wh
+            return min(full, image_tokens(w, h, factor, lo, max(lo, self.judge_max_pixels)))
+        return min(full, max(4, self.judge_max_pixels // (factor * factor)))
+
+    @property
+    def judge_prefill_tokens(self) -> int:
+        return self.judge_view_tokens(LARGE) + self.judge_text_tokens
+
+    @property
+    def small_prefill_tokens(self) -> int:
+        return self.small_view_tokens + self.small_text_tokens
+
+    @property
+    def agent_prefill_tokens(self) -> int:
+        return self.image_tokens + self.agent_text_tokens
+
+    @property
+    def tool_turn_prefill_tokens(self) -> int:
+        return self.crop_tokens + self.tool_text_tokens
+
+    # --- derived batch-1 costs (seconds) -------------------------------------------------------
+    def _b1(self, cls: int, prefill_s: float, n_decode: int, ctx: int) -> float:
+        return prefill_s + n_decode * (self.step_table(cls)[1] + ctx * self.kv_read(cls))
+
+    def judge_s(self) -> float:
+        """The published judge at batch 1 (the large model, its view of the image)."""
+        img = self.judge_view_tokens(LARGE)
+        return self._b1(
+            LARGE, self.prefill_s(LARGE, self.judge_text_tokens, img), self.judge_decode_tokens,
+            self.judge_prefill_tokens + self.judge_decode_tokens,
+        )
+
+    def small_s(self) -> float:
+        return self._b1(
+            SMALL, self.prefill_s(SMALL, self.small_text_tokens, self.small_view_tokens),
+            self.small_decode_tokens, self.small_prefill_tokens + self.small_decode_tokens,
+        )
+
+    def mean_tool_calls(self) -> float:
+        return float(np.dot(np.arange(len(self.tool_call_probs)), self.tool_call_probs))
+
+    def _agent_parts(self) -> tuple[float, float, float, float]:
+        """Mean batch-1 agent seconds split as (prefill, decode steps, KV reads, tool CPU)."""
+        m = 0.5 * (self.turn_tokens_min + self.turn_tokens_max)
+        a, tt = self.agent_prefill_tokens, self.tool_turn_prefill_tokens
+        pre = dec = kv = tool = 0.0
+        dec1, r = self.step_table(LARGE)[1], self.kv_read(LARGE)
+        first = self.prefill_s(LARGE, self.agent_text_tokens, self.image_tokens)
+        for k_calls, p in enumerate(self.tool_call_probs):
+            ctx = float(a)
+            for k in range(k_calls + 1):  # turn k: its prefill, then m decode steps
+                if k == 0:
+                    pre_k = first
+                else:
+                    pre_k = tool_turn_prefill_s(self, ctx, k)
+                    ctx += tt
+                ctx += m
+                pre += p * pre_k
+                dec += p * m * dec1
+                kv += p * m * ctx * r
+            tool += p * k_calls * self.tool_s
+        return pre, dec, kv, tool
+
+    def agent_s(self) -> float:
+        """Mean agent-loop seconds at batch 1 (mean turn lengths)."""
+        return sum(self._agent_parts())
+
+    # --- loading -------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> CostModel:
+        """Field overrides, plus an optional ``measured`` block of per-query mean seconds at batch
+        1 from real runs (``judge_s``, ``small_s``, ``agent_s``, e.g. the timings that
+        ``speceyes eval`` logs): the large model's per-token prefill and decode step are solved
+        from judge_s and agent_s (two linear equations, token counts as modelled), and the small
+        model's costs are scaled together to match small_s."""
+        data = dict(data)
+        measured = data.pop("measured", None)
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"unknown cost fields: {', '.join(unknown)}")
+        costs = cls(**data)
+        if measured:
+            costs = costs.calibrated(**measured)
+        costs.validate()
+        return costs
+
+    @classmethod
+    def from_file(cls, path: str | Path, base: CostModel | None = None) -> CostModel:
+        """A JSON file of cost fields (and an optional ``measured`` block, see :meth:`from_dict`)
+        over ``base``'s fields (default: the built-in model), e.g. over a benchmark's token
+        counts from :func:`bench_costs`."""
+        data = json.loads(Path(path).read_text())
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a JSON object of cost fields")
+        kept = {k: v for k, v in asdict(base or cls()).items() if k not in data}
+        return cls.from_dict({**kept, **data})
+
+    def calibrated(
+        self,
+        judge_s: float | None = None,
+        small_s: float | None = None,
+        agent_s: float | None = None,
+    ) -> CostModel:
+        c = replace(self)
+        if judge_s is not None and agent_s is not None:
+            # Linear in (prefill scale s_p, decode step d): the vision-encoder share is scaled
+            # with the prefill, the KV reads are kept as modelled.
+            f1 = c.step_table(LARGE)[1] / c.large_decode_s  # curve factor at b=1 (1 for gamma)
+            judge_pre = c.prefill_s(LARGE, c.judge_text_tokens, c.judge_view_tokens(LARGE))
+            judge_kv = c.judge_decode_tokens * (c.judge_prefill_tokens + c.judge_decode_tokens)
+            judge_kv *= c.kv_read(LARGE)
+            a_pre, a_dec, a_kv, a_tool = c._agent_parts()
+            a = np.array(
+                [
+                    [judge_pre, c.judge_decode_tokens * f1],
+                    [a_pre, a_dec / c.large_decode_s],
+                ],
+                dtype=np.float64,
+            )
+            rhs = np.array([judge_s - judge_kv, agent_s - a_tool - a_kv])
+            sp, dec = np.linalg.solve(a, rhs)
+            if sp <= 0 or dec <= 0:
+                raise ValueError(
+                    f"measured judge_s={judge_s}, agent_s={agent_s} do not fit the token counts "
+                    f"(prefill scale {sp:.3g}, decode {dec:.3g} s/step): adjust image_tokens "
+                    "or turn_tokens_*"
+                )
+            c.large_prefill_s_per_token *= float(sp)
+            c.large_vit_s_per_token *= float(sp)
+            c.large_decode_s = float(dec)
+        elif judge_s is not None or agent_s is not None:
+            # one number: scale the large model's costs together to match it
+            target, model = (judge_s, c.judge_s()) if judge_s is not None else (agent_s, c.agent_s())
+            s = float(target) / model
+            c.large_prefill_s_per_token *= s
+            c.large_vit_s_per_token *= s
+            c.large_decode_s *= s
+            c.large_kv_read_s_per_token *= s
+        if small_s is not None:
+            s = float(small_s) / c.small_s()
+            c.small_prefill_s_per_token *= s
+            c.small_vit_s_per_token *= s
+            c.small_decode_s *= s
+            c.small_kv_read_s_per_token *= s
+        return c
+
+
+def _curve_table(curve: Sequence[Sequence[float]], max_batch: int) -> list[float]:
+    """Step-time factors for 0..max_batch from measured [b, t(b)/t(1)] points: piecewise linear,
+    extended past the last point along the last segment (never flat: that would be free batching)."""
+    pts = sorted((float(b), float(f)) for b, f in curve)
+    if not pts or pts[0][0] > 1 or any(f <= 0 for _, f in pts):
+        raise ValueError("batch curve needs positive [b, factor] points starting at b <= 1")
+    bs = np.array([b for b, _ in pts])
+    fs = np.array([f for _, f in pts])
+    out = [0.0]
+    slope = (fs[-1] - fs[-2]) / (bs[-1] - bs[-2]) if len(pts) > 1 else 0.0
+    for b in range(1, max_batch + 1):
+        f = np.interp(b, bs, fs) if b <= bs[-1] else fs[-1] + slope * (b - bs[-1])
+        out.append(float(f))
+    return out
+
+
+def tool_turn_prefill_s(costs: CostModel, ctx: int, k: int) -> float:
+    """Prefill of tool turn ``k`` (1-based) after ``ctx`` tokens of history."""
+    if costs.prefix_caching:
+        return costs.prefill_s(LARGE, costs.tool_text_tokens, costs.crop_tokens)
+    img = costs.image_tokens + k * costs.crop_tokens
+    return costs.prefill_s(LARGE, ctx + costs.tool_turn_prefill_tokens - img, img)
+
+
+# --- batch-1 analytics -----------------------------------------------------------------------
+
+
+def ideal_gain(skipped: float) -> float:
+    """Throughput over agent-only if a share ``skipped`` of the queries never reached the agent
+    and the rest cost nothing more: 1 / (1 - skipped)."""
+    return 1.0 / (1.0 - skipped) if skipped < 1 else math.inf
+
+
+@dataclass
+class Analytic:
+    c_judge: float
+    c_small: float
+    l_agent: float
+    expected_latency: float  # E[L] = c_J + beta*c_S + (1 - beta*alpha)*L_agent (sequential)
+    expected_latency_overlap: float  # ours at batch 1: judge and small answer run at once
+    ideal_gain: float  # 1 / (1 - beta*alpha)
+
+
+def analytic(costs: CostModel, beta: float, alpha: float) -> Analytic:
+    cj, cs, la = costs.judge_s(), costs.small_s(), costs.agent_s()
+    both = max(cj, cs)
+    overlap = (1 - beta) * (cj + la) + beta * (both + (1 - alpha) * la)
+    gain = ideal_gain(beta * alpha)
+    return Analytic(cj, cs, la, float(analytic_latency(cj, cs, la, beta, alpha)), overlap, gain)
+
+
+def judge_costs(costs: CostModel) -> dict[str, dict[str, Any]]:
+    """Per judge variant at batch 1: the model it runs on, its prefill tokens and seconds, and
+    the agent's first-turn prefill it saves (a prefix-cache hit) for the queries that go on."""
+    c = costs
+    out: dict[str, dict[str, Any]] = {}
+    img = c.judge_view_tokens(LARGE)
+    out["large"] = {"model": "large", "tokens": img + c.judge_text_tokens, "s": c.judge_s()}
+    tokens = c.agent_prefill_tokens + c.prefix_judge_tokens
+    s = c._b1(LARGE, c.prefill_s(LARGE, c.agent_text_tokens + c.prefix_judge_tokens,
+                                 c.image_tokens), c.judge_decode_tokens, tokens + 1)
+    saved = c.prefill_s(LARGE, c.agent_text_tokens - c.prefix_tail_tokens, c.image_tokens)
+    out["prefix"] = {"model": "large", "tokens": tokens, "s": s,
+                     "saves_agent_s": saved if c.prefix_caching else 0.0}
+    simg = c.judge_view_tokens(SMALL)
+    out["small"] = {"model": "small", "tokens": simg + c.judge_text_tokens,
+                    "s": c._b1(SMALL, c.prefill_s(SMALL, c.judge_text_tokens, simg),
+                               c.judge_decode_tokens, simg + c.judge_text_tokens + 1)}
+    cont = c.prefix_tail_tokens + c.prefix_judge_tokens
+    if not c.prefix_caching:
+        cont = c.small_prefill_tokens + c.prefix_judge_tokens
+    cont_s = (c.prefill_s(SMALL, c.prefix_tail_tokens + c.prefix_judge_tokens)
+              if c.prefix_caching else
+              c.prefill_s(SMALL, c.small_text_tokens + c.prefix_judge_tokens, c.small_view_tokens))
+    out["small-prefix"] = {"model": "small", "tokens": cont,
+                           "s": c._b1(SMALL, cont_s, c.judge_decode_tokens,
+                                      c.small_prefill_tokens + c.prefix_judge_tokens + 1)}
+    out["none"] = {"model": "-", "tokens": 0, "s": 0.0}
+    return out
