@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from speceyes.bench.benchmarks import BenchImages, image_profiles
 from speceyes.images import smart_resize
 from speceyes.rates import analytic_latency
 
@@ -30,33 +31,8 @@ SMALL_FACTOR, SMALL_MIN_PIXELS, SMALL_MAX_PIXELS = 32, 4 * 32 * 32, 16384 * 32 *
 CROP_SIDE_FRACTION = 0.36
 
 
-@dataclass(frozen=True)
-class BenchImages:
-    size: tuple[int, int]  # (width, height) used for the token counts
-    note: str  # where the size comes from
-
-
-BENCH_IMAGES: dict[str, BenchImages] = {
-    "vstar": BenchImages(
-        (2246, 1582),
-        "V* Bench: 191 images, average 2246x1582 (Wu & Xie, arXiv 2312.14135); range "
-        "1690x1500 to 5759x1440",
-    ),
-    "hrbench4k": BenchImages(
-        (4096, 2160),
-        "HR-Bench 4K: 4K crops of 8K images (Wang et al., arXiv 2408.15556); 4096x2160 taken "
-        "as typical (a 4096x3000 image gives 15.6k tokens)",
-    ),
-    "hrbench8k": BenchImages(
-        (7680, 4320),
-        "HR-Bench 8K: 8K images from DIV8K and the web (arXiv 2408.15556); downscaled to the "
-        "16384-token cap",
-    ),
-    "pope": BenchImages(
-        (640, 480), "POPE: COCO val2014 images, longest side 640 px (arXiv 2305.10355)"
-    ),
-    "miniworld": BenchImages((1024, 1024), "the mini world's 1024x1024 canvas"),
-}
+# The typical image of each benchmark lives on its registry entry (one source).
+BENCH_IMAGES: dict[str, BenchImages] = image_profiles()
 
 
 def image_tokens(
