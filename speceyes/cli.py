@@ -201,8 +201,8 @@ def _protocol_defaults(args: argparse.Namespace) -> None:
     from speceyes import protocols
 
     kind = getattr(args, "agent", "deepeyes")
-    family = kind if kind in protocols.FAMILIES else "deepeyes"
-    budget = protocols.loop_settings(getattr(args, "protocol", "fair"), family)
+    family = kind if kind in protocols.PUBLISHED_AGENTS else "deepeyes"
+    budget = protocols.get_protocol(getattr(args, "protocol", "fair")).loop_settings(family)
     for name, value in (
         ("batch_size", budget.batch_size),
         ("max_tool_calls", budget.max_tool_calls),

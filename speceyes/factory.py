@@ -143,12 +143,15 @@ def make_agent(
     protocol: str = "fair",
 ) -> Agent:
     """The agent loop on ``large``; ``mode="specreason"`` drafts each step on ``small``."""
+    from speceyes import protocols
+
     a = settings
     loop_kw: dict[str, Any] = {
         "max_tool_calls": a.max_tool_calls,
         "max_new_tokens": a.max_new_tokens,
-        "protocol": protocol,
     }
+    # The published protocol runs the authors' own loops (agents/published_*.py).
+    published = protocols.check_protocol(protocol) == "published"
     if mode == "specreason":
         from speceyes.agents.specreason import SpecReasonAgent
 
@@ -158,6 +161,10 @@ def make_agent(
             raise ValueError("--mode specreason needs the small model")
         return SpecReasonAgent(small, large, **loop_kw)
     if a.kind == "thyme":
+        if published:
+            from speceyes.agents.published_code import PublishedCodeAgent
+
+            return PublishedCodeAgent(large, **loop_kw)
         from speceyes.agents.code import CodeAgent
 
         return CodeAgent(large, **loop_kw)
@@ -173,6 +180,10 @@ def make_agent(
         return SearchAgent(large, **kw)
     if a.kind != "deepeyes":
         raise ValueError(f"unknown agent {a.kind!r}; choose from {', '.join(AGENTS)}")
+    if published:
+        from speceyes.agents.published_zoom import PublishedZoomAgent
+
+        return PublishedZoomAgent(large, **loop_kw)
     from speceyes.agents.zoom import ZoomAgent
 
     return ZoomAgent(large, **loop_kw)
