@@ -256,7 +256,7 @@ class Settings:
         agent's family), tau from the agent's ``default_tau``; the agent's name canonical."""
         a, f = self.agent, self.funnel
         cls = a.agent_class()
-        budget = protocols.loop_settings(f.protocol, _family(cls))
+        budget = protocols.get_protocol(f.protocol).loop_settings(_family(cls))
         agent = replace(
             a,
             kind=cls.name,
@@ -277,7 +277,7 @@ def _first(value: Any, default: Any) -> Any:
 
 def _family(cls: type) -> str:
     """The agent family whose loop budgets apply (other agents take DeepEyes')."""
-    return cls.name if cls.name in protocols.FAMILIES else ZoomAgent.name
+    return cls.name if cls.name in protocols.PUBLISHED_AGENTS else ZoomAgent.name
 
 
 def make_backend(
@@ -321,13 +321,12 @@ def make_agent(
             raise ValueError("--mode specreason runs the DeepEyes loop; use --agent deepeyes")
         if small is None:
             raise ValueError("--mode specreason needs the small model")
-        return SpecReasonAgent(small, large, **a.kwargs(SpecReasonAgent), protocol=protocol)
+        return SpecReasonAgent(small, large, **a.kwargs(SpecReasonAgent))
     if getattr(cls, "needs_small", False):
         raise ValueError(f"the {cls.name} agent is chosen by --mode {cls.name}")
-    kw = a.kwargs(cls)
-    if cls.name in protocols.FAMILIES:  # the agents the published protocol covers take it
-        kw["protocol"] = protocol
-    return cls(large, **kw)
+    if protocols.check_protocol(protocol) == "published":
+        cls = registry.published_loop(cls)  # the authors' own loop (agents/published_*.py)
+    return cls(large, **a.kwargs(cls))
 
 
 def load_backends(settings: Settings) -> tuple[Backend | None, Backend | None]:

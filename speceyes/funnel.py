@@ -51,8 +51,9 @@ import numpy as np
 
 from speceyes import gate, prompts, protocols
 from speceyes.agents.base import EMPTY, END, Agent, AgentOutcome, LoopAgent, drive_loops
-from speceyes.backends.base import Backend, BackendError, JudgeMode, per_item
+from speceyes.backends.base import Backend, BackendError, per_item
 from speceyes.images import MIN_PIXELS, load_image, resize_for_model
+from speceyes.judging import JudgeMode
 from speceyes.rates import beta_alpha
 from speceyes.types import Query, Result
 
@@ -78,7 +79,7 @@ class FunnelConfig:
     judge: str = "large"  # who answers phase I: see JUDGES and the module docstring
     judge_max_pixels: int | None = None  # large/small judge: the image shown at most this big
     # None: the protocol's (factory.Settings.resolved); left out: the fair protocol's
-    batch_size: int | None = protocols.loop_settings("fair").batch_size
+    batch_size: int | None = protocols.FAIR.loop_settings().batch_size
     max_new_tokens: int = 20
     schedule: Literal["batched", "pipelined"] = "batched"
     overlap: bool = False
@@ -162,7 +163,8 @@ class Funnel:
         if mode in ("speceyes", "both", "small") and small is None:
             raise ValueError(f"mode {mode!r} needs the small model")
         self.small, self.large, self.agent = small, large, agent
-        self._family = protocols.family_of(getattr(agent, "name", None), self.config.protocol)
+        self._protocol = protocols.get_protocol(self.config.protocol)
+        self._family = self._protocol.family_of(getattr(agent, "name", None))
         if self.config.judge == "prefix" and getattr(agent, "name", None) == "thyme":
             raise ValueError(
                 "--judge prefix: the Thyme agent's first prompt names a per-run sandbox file, "
@@ -277,7 +279,7 @@ class Funnel:
         t0 = time.perf_counter()
         try:
             p_tools = per_item(
-                lambda m: protocols.judge(backend, m, cfg.protocol, cfg.judge_mode, self._family),
+                lambda m: self._protocol.tool_probability(backend, m, cfg.judge_mode, self._family),
                 msgs,
             )
         except BackendError as e:
@@ -309,10 +311,10 @@ class Funnel:
         if cfg.judge == "prefix":
             return self.large, self._prefix_judge_messages
         if cfg.judge == "small-prefix":
-            answer = partial(protocols.small_messages, cfg.protocol, self._family)
+            answer = partial(self._protocol.small_messages, self._family)
             return self.small, lambda image, q, opts: [*answer(image, q, opts), _judge_turn()]
         backend = self.small if cfg.judge == "small" else self.large
-        build = partial(protocols.judge_messages, cfg.protocol, self._family)
+        build = partial(self._protocol.judge_messages, self._family)
         if cfg.judge_max_pixels is None:
             return backend, build
         budget = cfg.judge_max_pixels
@@ -339,17 +341,16 @@ class Funnel:
         cfg = self.config
         if not idx:
             return
-        build = partial(protocols.small_messages, cfg.protocol, self._family)
+        build = partial(self._protocol.small_messages, self._family)
         idx, msgs = self._messages(build, live, idx, results)
         if not idx:
             return
         t0 = time.perf_counter()
         try:
             got = per_item(
-                lambda m: protocols.small_answers(
+                lambda m: self._protocol.answers(
                     self.small,
                     m,
-                    cfg.protocol,
                     max_new_tokens=cfg.max_new_tokens,
                     top_k=cfg.top_k,
                     agg=cfg.agg,
@@ -372,8 +373,8 @@ class Funnel:
             return
         idx, answers = [i for i, _ in answered], [a for _, a in answered]
         t1 = time.perf_counter()
-        conf = protocols.confidence(
-            self.small, answers, cfg.protocol, top_k=cfg.top_k, agg=cfg.agg, alpha=cfg.alpha
+        conf = self._protocol.confidence(
+            self.small, answers, top_k=cfg.top_k, agg=cfg.agg, alpha=cfg.alpha
         )
         per_gate = (time.perf_counter() - t1) / len(idx)
         for i, a, c in zip(idx, answers, conf, strict=True):

@@ -19,7 +19,7 @@ class _Geometry:
     """Just enough of a Qwen2.5-VL backend for an agent to open its first turn."""
 
     name = "geometry"
-    box_coords = "absolute"
+    box_coords, scores = "absolute", "logits"
     factor, min_pixels, max_pixels = 28, 4 * 28 * 28, 16384 * 28 * 28
     max_images = max_logprobs = None
 
@@ -46,12 +46,11 @@ def dump_prompts(
     queries: Iterable[Query], limit: int | None, protocol: str, agent: str = "deepeyes"
 ) -> list[dict[str, Any]]:
     """Per query: the phase I (judge), phase II (small model) and first agent-turn messages."""
-    from speceyes.agents.code import CodeAgent
-    from speceyes.agents.zoom import ZoomAgent
+    from speceyes.factory import AgentSettings, make_agent
 
-    family = protocols.family_of(agent, protocol)
-    runner = CodeAgent if family == "thyme" else ZoomAgent
-    loop_agent = runner(_Geometry(), protocol=protocol)
+    rules = protocols.get_protocol(protocol)
+    family = rules.family_of(agent)
+    loop_agent = make_agent(AgentSettings(kind=family), _Geometry(), protocol=protocol)
     out = []
     try:
         for q in islice(queries, limit):
@@ -61,12 +60,8 @@ def dump_prompts(
                     "id": q.id,
                     "protocol": protocol,
                     "agent": family,
-                    "judge": _plain(
-                        protocols.judge_messages(protocol, family, q.image, q.question, q.options)
-                    ),
-                    "small": _plain(
-                        protocols.small_messages(protocol, family, q.image, q.question, q.options)
-                    ),
+                    "judge": _plain(rules.judge_messages(family, q.image, q.question, q.options)),
+                    "small": _plain(rules.small_messages(family, q.image, q.question, q.options)),
                     "agent_first_turn": _plain(loop.messages),
                 }
             )

@@ -14,8 +14,11 @@ SpecEyes code (github.com/MAC-AutoML/SpecEyes, ``eval_code_deepeyes/`` and
   0.0.14 applies before the Qwen3-VL processor sees it;
 * batch size 6; ``log`` aggregation over the full vocabulary where the backend has it.
 
-The agent loop rules of each protocol live with the agents (``agents/zoom.py``,
-``agents/code.py``); the scoring rules in ``bench/published_scoring.py``.
+Each protocol is one object, :data:`FAIR` or :data:`PUBLISHED` (an :class:`EvalProtocol`),
+picked once by name (:func:`get_protocol`); its methods build phase I and II messages, compute
+P(tool), the speculative answers and the gate's confidence, and give the loop defaults. The
+published agent loops are their own classes (``agents/published_zoom.py``,
+``agents/published_code.py``); the scoring rules live in ``bench/published_scoring.py``.
 """
 
 from __future__ import annotations
@@ -29,12 +32,14 @@ import numpy as np
 from PIL import Image
 
 from speceyes import gate, prompts
+from speceyes.backends.base import Backend
 from speceyes.images import View, load_image
+from speceyes.judging import JUDGE_DECODE_TOKENS, JudgeMode, tool_probability
 from speceyes.limits import OPTION_LETTERS
 from speceyes.types import Query, SpecAnswer
 
-PROTOCOLS: tuple[str, ...] = ("fair", "published")
-FAMILIES: tuple[str, ...] = ("deepeyes", "thyme")  # agent families the published code covers
+# The agent families the published code covers.
+PUBLISHED_AGENTS: tuple[str, ...] = ("deepeyes", "thyme")
 
 # --- published strings (each pinned by tests/test_protocols.py) --------------------------------
 # eval_code_deepeyes/prompt.py SYSTEM_PROMPT: pretty-printed tool JSON, "required":["bbox_2d"],
@@ -90,7 +95,6 @@ PUBLISHED_THYME_SPLIT = "Please"  # the judge/small text is question_text.split(
 PUBLISHED_FACTOR = 28
 PUBLISHED_MIN_PIXELS = 4 * 28 * 28
 PUBLISHED_MAX_PIXELS = 16384 * 28 * 28
-PUBLISHED_JUDGE_TOKENS = 10  # get_batch_response(short_answer=True)
 PUBLISHED_BATCH_SIZE = 6  # --batch_size default of both eval scripts
 
 
@@ -110,31 +114,6 @@ _PUBLISHED = {
     # eval_code_thyme/utils.py: MAX_ITERATIONS = 5, MAX_NEW_TOKENS_PER_STEP = 2048.
     "thyme": LoopSettings(PUBLISHED_BATCH_SIZE, agent_max_tokens=2048, max_tool_calls=5),
 }
-
-
-def check_protocol(protocol: str) -> str:
-    if protocol not in PROTOCOLS:
-        raise ValueError(f"unknown protocol {protocol!r}; choose from {', '.join(PROTOCOLS)}")
-    return protocol
-
-
-def family_of(agent_name: str | None, protocol: str) -> str:
-    """The agent family whose published layout applies; ``published`` covers DeepEyes and
-    Thyme only (the small-only mode uses the DeepEyes layout, as the authors' small-model
-    script does)."""
-    check_protocol(protocol)
-    name = agent_name or "deepeyes"
-    if protocol == "published" and name not in FAMILIES:
-        raise ValueError(
-            f"the published protocol covers the deepeyes and thyme agents, not {name!r}"
-        )
-    return name if name in FAMILIES else "deepeyes"
-
-
-def loop_settings(protocol: str, agent: str = "deepeyes") -> LoopSettings:
-    if check_protocol(protocol) == "fair":
-        return _FAIR
-    return _PUBLISHED[family_of(agent, protocol)]
 
 
 # --- question text ---------------------------------------------------------------------------
@@ -173,18 +152,6 @@ def thyme_kind(query: Query) -> str | None:
     return "yorn" if query.category in ("adversarial", "popular", "random") else None
 
 
-def question_text(protocol: str, family: str, question: str, options: Sequence[str] | None) -> str:
-    """The text phases I and II put before their suffix. Under ``published`` with Thyme a
-    question without options is taken as POPE's (the only such published benchmark)."""
-    if check_protocol(protocol) == "fair":
-        return prompts.question_block(question, options)
-    if family == "thyme":
-        kind = "mcq" if options else "yorn"
-        full = published_thyme_question(question, options, kind)
-        return full.split(PUBLISHED_THYME_SPLIT)[0]
-    return published_question_block(question, options)
-
-
 # --- images ----------------------------------------------------------------------------------
 def published_smart_resize(width: int, height: int) -> tuple[int, int]:
     """SpecEyes' own smart_resize (utils.py) as it is called: (width, height) in, out.
@@ -218,60 +185,14 @@ def published_view(image: Any) -> tuple[Image.Image, View]:
     return img.resize((w, h), Image.Resampling.BICUBIC), view
 
 
-# --- phase I and II messages -----------------------------------------------------------------
-def _messages(system: str, image: Any, text: str) -> list[dict]:
-    return [
-        {"role": "system", "content": system},
-        {"role": "user", "content": [prompts.image_part(image), prompts.text_part(text)]},
-    ]
-
-
-def judge_messages(
-    protocol: str, family: str, image: Any, question: str, options: Sequence[str] | None = None
-) -> list[dict]:
-    if check_protocol(protocol) == "fair":
-        return prompts.judge_messages(image, question, options)
-    text = question_text(protocol, family, question, options) + prompts.JUDGE_SUFFIX
-    return _messages(prompts.JUDGE_SYSTEM, published_view(image)[0], text)
-
-
-def small_messages(
-    protocol: str, family: str, image: Any, question: str, options: Sequence[str] | None = None
-) -> list[dict]:
-    if check_protocol(protocol) == "fair":
-        return prompts.small_messages(image, question, options)
-    text = question_text(protocol, family, question, options) + prompts.SMALL_SUFFIX
-    return _messages(prompts.SMALL_SYSTEM, published_view(image)[0], text)
-
-
 def published_judge_tool(text: str) -> bool:
     """The published routing: tool-free iff the decoded reply, lower-cased, starts with "no"
     (a leading space or newline therefore means tools)."""
     return not text.lower().startswith("no")
 
 
-def judge(
-    backend: Any, batch: Sequence[list[dict]], protocol: str, mode: str, family: str
-) -> list[float]:
-    """P(tool) per conversation: the backend's judge under ``fair``; under ``published`` a
-    10-token greedy decode with the agent's stop strings and the published rule (0.0 or 1.0)."""
-    if check_protocol(protocol) == "fair":
-        return backend.judge(batch, mode=mode)
-    stop = prompts.THYME_STOP if family == "thyme" else prompts.DEEPEYES_STOP
-    turns = backend.chat(batch, stop=stop, max_new_tokens=PUBLISHED_JUDGE_TOKENS)
-    return [1.0 if published_judge_tool(t.text) else 0.0 for t in turns]
-
-
-# --- phase II answers and phase III confidence -----------------------------------------------
-# Backends whose answer(top_k >= vocabulary) returns whole logit rows, and those whose top-K
-# values are logprobs (a server's top-1 logprob is already over the full vocabulary).
-_FULL_LOGITS_BACKENDS = ("HFBackend",)
-_LOGPROB_BACKENDS = ("OpenAIBackend", "VLLMBackend")
-_WHOLE_VOCAB = 1 << 30
-
-
-def _full_vocab(protocol: str, agg: str) -> bool:
-    return protocol == "published" and agg == "log"
+# --- phase II answers in whole rows ---------------------------------------------------------
+_WHOLE_VOCAB = 1 << 30  # top_k that asks a full-vocabulary backend for every logit
 
 
 def to_logprobs(rows: np.ndarray, top_k: int) -> np.ndarray:
@@ -289,47 +210,174 @@ def to_logprobs(rows: np.ndarray, top_k: int) -> np.ndarray:
     return np.ascontiguousarray(best - lse, dtype=np.float32)
 
 
-def small_answers(
-    backend: Any,
-    batch: Sequence[list[dict]],
-    protocol: str,
-    *,
-    max_new_tokens: int,
-    top_k: int,
-    agg: str,
-) -> list[SpecAnswer]:
-    """Speculative answers with their top-K values per token.
-
-    Under ``published`` with ``agg="log"`` the transformers backend is asked for whole rows,
-    which are turned into top-K logprobs (see :func:`to_logprobs`)."""
-    if _full_vocab(protocol, agg) and type(backend).__name__ in _FULL_LOGITS_BACKENDS:
-        answers = backend.answer(batch, max_new_tokens=max_new_tokens, top_k=_WHOLE_VOCAB)
-        for a in answers:
-            a.topk = to_logprobs(a.topk, top_k)
-        return answers
-    return backend.answer(batch, max_new_tokens=max_new_tokens, top_k=top_k)
+# --- the two protocols ----------------------------------------------------------------------
+def _messages(system: str, image: Any, text: str) -> list[dict]:
+    return [
+        {"role": "system", "content": system},
+        {"role": "user", "content": [prompts.image_part(image), prompts.text_part(text)]},
+    ]
 
 
-def confidence(
-    backend: Any,
-    answers: Sequence[SpecAnswer],
-    protocol: str,
-    *,
-    top_k: int,
-    agg: str,
-    alpha: float,
-) -> np.ndarray:
-    """The gate's confidence per answer (NaN where it has none).
+class EvalProtocol:
+    """An evaluation protocol: what phases I-III send and compute, and the agent loops'
+    defaults. This class holds the ``fair`` rules; :class:`PublishedProtocol` overrides them
+    where the released code differs. ``family`` is an agent family (:meth:`family_of`)."""
 
-    ``published`` + ``log``: ``exp(mean log p_max)`` with p_max over the full vocabulary, as
-    the released code computes it, where the values are logprobs; elsewhere the max-softmax
-    over the top-K (``fair``)."""
-    kinds = _FULL_LOGITS_BACKENDS + _LOGPROB_BACKENDS
-    if _full_vocab(protocol, agg) and type(backend).__name__ in kinds:
+    name = "fair"
+
+    def family_of(self, agent_name: str | None) -> str:
+        """The agent family whose published layout applies (the small-only mode, no agent,
+        uses the DeepEyes layout, as the authors' small-model script does)."""
+        name = agent_name or "deepeyes"
+        return name if name in PUBLISHED_AGENTS else "deepeyes"
+
+    def loop_settings(self, agent: str = "deepeyes") -> LoopSettings:
+        return _FAIR
+
+    def question_text(self, family: str, question: str, options: Sequence[str] | None) -> str:
+        """The text phases I and II put before their suffix."""
+        return prompts.question_block(question, options)
+
+    def judge_messages(
+        self, family: str, image: Any, question: str, options: Sequence[str] | None = None
+    ) -> list[dict]:
+        return prompts.judge_messages(image, question, options)
+
+    def small_messages(
+        self, family: str, image: Any, question: str, options: Sequence[str] | None = None
+    ) -> list[dict]:
+        return prompts.small_messages(image, question, options)
+
+    def tool_probability(
+        self, backend: Backend, batch: Sequence[list[dict]], mode: JudgeMode, family: str
+    ) -> list[float]:
+        """P(tool) per judge conversation (:func:`speceyes.judging.tool_probability`)."""
+        return tool_probability(backend, batch, mode)
+
+    def answers(
+        self,
+        backend: Backend,
+        batch: Sequence[list[dict]],
+        *,
+        max_new_tokens: int,
+        top_k: int,
+        agg: str,
+    ) -> list[SpecAnswer]:
+        """Speculative answers with their top-K values per token."""
+        return backend.answer(batch, max_new_tokens=max_new_tokens, top_k=top_k)
+
+    def confidence(
+        self,
+        backend: Backend,
+        answers: Sequence[SpecAnswer],
+        *,
+        top_k: int,
+        agg: str,
+        alpha: float,
+    ) -> np.ndarray:
+        """The gate's confidence per answer (NaN where it has none): the max-softmax over the
+        top-K, aggregated by ``agg``."""
+        return gate.batch_confidence([a.topk for a in answers], top_k=top_k, agg=agg, alpha=alpha)
+
+
+class PublishedProtocol(EvalProtocol):
+    """The released SpecEyes code's rules (module docstring); DeepEyes and Thyme only."""
+
+    name = "published"
+
+    def family_of(self, agent_name: str | None) -> str:
+        name = agent_name or "deepeyes"
+        if name not in PUBLISHED_AGENTS:
+            raise ValueError(
+                f"the published protocol covers the deepeyes and thyme agents, not {name!r}"
+            )
+        return name
+
+    def loop_settings(self, agent: str = "deepeyes") -> LoopSettings:
+        return _PUBLISHED[self.family_of(agent)]
+
+    def question_text(self, family: str, question: str, options: Sequence[str] | None) -> str:
+        """With Thyme a question without options is taken as POPE's (the only such published
+        benchmark)."""
+        if family == "thyme":
+            kind = "mcq" if options else "yorn"
+            full = published_thyme_question(question, options, kind)
+            return full.split(PUBLISHED_THYME_SPLIT)[0]
+        return published_question_block(question, options)
+
+    def judge_messages(
+        self, family: str, image: Any, question: str, options: Sequence[str] | None = None
+    ) -> list[dict]:
+        text = self.question_text(family, question, options) + prompts.JUDGE_SUFFIX
+        return _messages(prompts.JUDGE_SYSTEM, published_view(image)[0], text)
+
+    def small_messages(
+        self, family: str, image: Any, question: str, options: Sequence[str] | None = None
+    ) -> list[dict]:
+        text = self.question_text(family, question, options) + prompts.SMALL_SUFFIX
+        return _messages(prompts.SMALL_SYSTEM, published_view(image)[0], text)
+
+    def tool_probability(
+        self, backend: Backend, batch: Sequence[list[dict]], mode: JudgeMode, family: str
+    ) -> list[float]:
+        """A greedy decode of ``JUDGE_DECODE_TOKENS`` tokens with the agent's stop strings and
+        the published rule (0.0 or 1.0), whatever ``mode`` says."""
+        stop = prompts.THYME_STOP if family == "thyme" else prompts.DEEPEYES_STOP
+        turns = backend.chat(batch, stop=stop, max_new_tokens=JUDGE_DECODE_TOKENS)
+        return [1.0 if published_judge_tool(t.text) else 0.0 for t in turns]
+
+    def answers(
+        self,
+        backend: Backend,
+        batch: Sequence[list[dict]],
+        *,
+        max_new_tokens: int,
+        top_k: int,
+        agg: str,
+    ) -> list[SpecAnswer]:
+        """With ``agg="log"`` a backend that has whole logit rows (``scores == "logits"``) is
+        asked for them, and they are turned into top-K logprobs (see :func:`to_logprobs`)."""
+        if agg == "log" and backend.scores == "logits":
+            answers = backend.answer(batch, max_new_tokens=max_new_tokens, top_k=_WHOLE_VOCAB)
+            for a in answers:
+                a.topk = to_logprobs(a.topk, top_k)
+            return answers
+        return backend.answer(batch, max_new_tokens=max_new_tokens, top_k=top_k)
+
+    def confidence(
+        self,
+        backend: Backend,
+        answers: Sequence[SpecAnswer],
+        *,
+        top_k: int,
+        agg: str,
+        alpha: float,
+    ) -> np.ndarray:
+        """``log``: ``exp(mean log p_max)`` with p_max over the full vocabulary, as the released
+        code computes it (the values are logprobs: a server's, or whole rows turned into them
+        by :meth:`answers`); other aggregations as ``fair``."""
+        if agg != "log":
+            return super().confidence(backend, answers, top_k=top_k, agg=agg, alpha=alpha)
         out = np.full(len(answers), np.nan)
         for j, a in enumerate(answers):
             rows = np.asarray(a.topk, dtype=np.float64)
             if rows.ndim == 2 and rows.shape[0] and np.isfinite(rows[:, 0]).all():
                 out[j] = float(np.exp(rows[:, 0].mean()))
         return out
-    return gate.batch_confidence([a.topk for a in answers], top_k=top_k, agg=agg, alpha=alpha)
+
+
+FAIR = EvalProtocol()
+PUBLISHED = PublishedProtocol()
+PROTOCOLS: dict[str, EvalProtocol] = {p.name: p for p in (FAIR, PUBLISHED)}
+
+
+def check_protocol(protocol: str) -> str:
+    """``protocol`` if it names one of :data:`PROTOCOLS`, else a ValueError."""
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"unknown protocol {protocol!r}; choose from {', '.join(PROTOCOLS)}")
+    return protocol
+
+
+def get_protocol(protocol: str) -> EvalProtocol:
+    """The protocol object named ``protocol`` (``"fair"`` or ``"published"``)."""
+    return PROTOCOLS[check_protocol(protocol)]

@@ -86,9 +86,9 @@ def test_defaults_left_to_the_agent_and_protocol_are_spelled_out(command, capsys
         ("--agent-max-tokens", lambda s: s.agent_max_tokens),
     ):
         shown = _default(helps[flag])
-        assert f"fair {read(protocols.loop_settings('fair'))};" in shown, flag
-        for family in protocols.FAMILIES:
-            assert f"{read(protocols.loop_settings('published', family))} {family}" in shown
+        assert f"fair {read(protocols.FAIR.loop_settings())};" in shown, flag
+        for family in protocols.PUBLISHED_AGENTS:
+            assert f"{read(protocols.PUBLISHED.loop_settings(family))} {family}" in shown
     search = helps["--search"]
     for name, (f, _) in registry.settings_fields(registry.AGENTS["search"]).items():
         if f.default is not None:

@@ -102,14 +102,14 @@ def test_manifest_defaults_and_errors(tmp_path):
     assert (s.small, s.large) == (str(tmp_path / "small"), str(tmp_path / "large"))
     assert s.backend.dtype == "float32"
     r = s.resolved()
-    assert r.funnel.batch_size == protocols.loop_settings("fair").batch_size
+    assert r.funnel.batch_size == protocols.FAIR.loop_settings().batch_size
     assert (r.agent.max_tool_calls, r.funnel.tau) == (5, factory.MANIFEST_TAU)
     p = tmp_path / "m.json"
     p.write_text(json.dumps({"agent": {"kind": "zoom", "depth": 2}, "batch_size": 4, "x": 1}))
     s = Settings.from_manifest(p)
     assert s.agent.kind == "deepeyes" and s.agent.options == {}  # depth is not a zoom setting
     assert s.funnel.batch_size == 4 and s.extra == {"x": 1}
-    assert s.resolved().agent.max_new_tokens == protocols.loop_settings("fair").agent_max_tokens
+    assert s.resolved().agent.max_new_tokens == protocols.FAIR.loop_settings().agent_max_tokens
     for bad, match in (
         ({"agent": {"kind": "teleport"}}, "agent.kind"),
         ({"agent": {"kind": "specreason"}}, "agent.kind"),
@@ -131,8 +131,8 @@ def test_resolved_fills_budgets_and_tau_by_agent_and_protocol():
             s = Settings.from_args(_ns(agent=kind, protocol=protocol))
             assert (s.funnel.tau, s.funnel.batch_size, s.agent.max_tool_calls) == (None,) * 3
             r = s.resolved()
-            family = kind if kind in protocols.FAMILIES else "deepeyes"
-            want = protocols.loop_settings(protocol, family)
+            family = kind if kind in protocols.PUBLISHED_AGENTS else "deepeyes"
+            want = protocols.get_protocol(protocol).loop_settings(family)
             assert r.funnel.tau == cls.default_tau
             assert (r.funnel.batch_size, r.agent.max_tool_calls, r.agent.max_new_tokens) == (
                 want.batch_size,

@@ -62,7 +62,7 @@ def test_judge_routes_straight_to_agent(parts):
 
 def test_decode_judge_mode(parts):
     from speceyes import prompts
-    from speceyes.backends.base import decode_rule_p_tool
+    from speceyes.judging import decode_rule_p_tool
 
     _, res = run(parts, judge_mode="decode")
     # The published rule on the large model's own greedy 10-token reply to the judge prompt.

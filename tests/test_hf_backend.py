@@ -7,45 +7,61 @@ import pytest
 import torch
 
 from speceyes import gate, prompts
-from speceyes.backends.base import cut_at_stop, decode_rule_p_tool
+from speceyes.backends.base import cut_at_stop, first_token_ids
 from speceyes.backends.hf import HFBackend, ModelLoadError
+from speceyes.judging import NO_VARIANTS, YES_VARIANTS, decode_rule_p_tool, tool_probability
 from tests.conftest import make_scene
 from tests.tools.backend_contract import assert_backend_contract
 
-FAMILIES = ["q25", "q3"]
+MODELS = ["q25", "q3"]  # the tiny Qwen2.5-VL and Qwen3-VL fixtures
 
 
 def _msgs(img, q="What color is the square?", opts=("red", "green")):
     return prompts.small_messages(img, q, list(opts))
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", MODELS)
 def test_judge_logit_is_p_yes_over_p_yes_plus_no(request, name, scene):
     be: HFBackend = request.getfixturevalue(name)
     msgs = [prompts.judge_messages(scene, "Is it red?"), prompts.judge_messages(make_scene(), "Hm?")]
-    p = be.judge(msgs)
+    p = tool_probability(be, msgs)
     assert len(p) == 2 and all(0.0 <= x <= 1.0 for x in p)
-    # Recompute from one forward pass of the same inputs.
+    # Recompute from one forward pass of the same inputs, over each distinct first token once.
     inputs = be._prepare(msgs)
     with torch.inference_mode():
         probs = torch.softmax(be.model(**inputs).logits[:, -1].float(), -1)
-    yes, no = probs[:, be.yes_ids].sum(-1), probs[:, be.no_ids].sum(-1)
+    ids = first_token_ids(be.tokenizer, YES_VARIANTS + NO_VARIANTS)
+    yes_ids = sorted({i for i in ids[: len(YES_VARIANTS)] if i is not None})
+    no_ids = sorted({i for i in ids[len(YES_VARIANTS) :] if i is not None})
+    assert yes_ids and no_ids and set(yes_ids).isdisjoint(no_ids)
+    yes, no = probs[:, yes_ids].sum(-1), probs[:, no_ids].sum(-1)
     np.testing.assert_allclose(p, (yes / (yes + no)).numpy(), rtol=1e-5)
-    assert set(be.yes_ids).isdisjoint(be.no_ids)
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+def test_first_token_ids_count_each_token_once(q25):
+    tok = q25.tokenizer
+    ids = first_token_ids(tok, ["yes", "yes", "", "Yes", "YES"])
+    assert ids[0] == tok.encode("yes", add_special_tokens=False)[0]
+    assert ids[1] is None and ids[2] is None  # a repeat, and a word with no token
+    first = [tok.encode(w, add_special_tokens=False)[0] for w in ("Yes", "YES")]
+    # "Yes" and "YES" share their first token in the tiny vocabulary ("Y"): counted once
+    assert ids[3] == first[0] and (ids[4] is None) == (first[1] == first[0])
+    p = q25.next_token_probs([prompts.judge_messages(make_scene(), "Is it red?")], ["Yes", "YES"])
+    assert p[0, 0] > 0 and (p[0, 1] == 0) == (first[1] == first[0])
+
+
+@pytest.mark.parametrize("name", MODELS)
 def test_judge_decode_mode_follows_published_rule(request, name, scene):
     be: HFBackend = request.getfixturevalue(name)
     msgs = [prompts.judge_messages(scene, "Is it red?")]
-    p = be.judge(msgs, mode="decode")
+    p = tool_probability(be, msgs, mode="decode")
     text = be.chat(msgs, max_new_tokens=10)[0].text
     assert p == [decode_rule_p_tool(text)]
     assert decode_rule_p_tool(" No, it is fine") == 0.0
     assert decode_rule_p_tool("yes") == 1.0 and decode_rule_p_tool("") == 1.0
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", MODELS)
 def test_answer_topk_gate_equals_full_logits(request, name, scene):
     be: HFBackend = request.getfixturevalue(name)
     msgs = [_msgs(scene), _msgs(make_scene(box=(10, 10, 60, 60)), "Longer question here?")]
@@ -74,7 +90,7 @@ def test_answer_topk_gate_equals_full_logits(request, name, scene):
             assert abs(c_full - c_topk) < 1e-3, (agg, c_full, c_topk)
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", MODELS)
 def test_batched_left_padding_equals_one_at_a_time(request, name, scene):
     be: HFBackend = request.getfixturevalue(name)
     msgs = [_msgs(scene, "A?"), _msgs(make_scene(size=(200, 500)), "A much longer question, yes?")]
@@ -105,12 +121,15 @@ def test_view_of_uses_checkpoint_pixel_limits(q25):
     assert v.view_w * v.view_h <= q25.max_pixels
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", MODELS)
 def test_backend_contract(request, name):
     be = request.getfixturevalue(name)
     assert_backend_contract(be)
     assert (be.max_images, be.max_logprobs) == (None, None)  # in process: no caps
-    # next_token_probs is the softmax of the same step the logit judge reads.
+    assert be.scores == "logits"  # whole rows: answer(top_k >= vocabulary) returns them all
+    rows = be.answer([_msgs(make_scene())], max_new_tokens=2, top_k=1 << 30)[0].topk
+    assert rows.shape[1] == be.model.config.get_text_config().vocab_size
+    # next_token_probs is the softmax of the same step the tool probability reads.
     msgs = [prompts.judge_messages(make_scene(), "Is there a red square?")]
     p = be.next_token_probs(msgs, ["yes", "no"])[0]
     yes, no = (be.tokenizer.encode(w, add_special_tokens=False)[0] for w in ("yes", "no"))

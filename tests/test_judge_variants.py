@@ -26,9 +26,10 @@ class Recorder:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def judge(self, batch, mode="logit"):
+    def next_token_probs(self, batch, words, top_logprobs=None):
+        # In these runs the only next-token step is phase I's tool probability (logit mode).
         self.log.append((self.role, "judge", [list(m) for m in batch]))
-        return self.inner.judge(batch, mode=mode)
+        return self.inner.next_token_probs(batch, words, top_logprobs=top_logprobs)
 
     def answer(self, batch, max_new_tokens=20, top_k=64):
         self.log.append((self.role, "answer", [list(m) for m in batch]))

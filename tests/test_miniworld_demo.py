@@ -238,6 +238,7 @@ def test_bundled_models_load_and_answer_from_their_own_logits():
     both load through HFBackend and answer a mini-world question with real top-K logits."""
     from speceyes import prompts
     from speceyes.backends.hf import HFBackend
+    from speceyes.judging import tool_probability
     from speceyes.miniworld.scenes import generate_scene, load_pool, scene_rng
 
     found = mwdemo.find_models(mwdemo.MODELS_DIR)
@@ -272,8 +273,9 @@ def test_bundled_models_load_and_answer_from_their_own_logits():
             "right",
         )
         assert ans.topk is not None and len(ans.topk) >= 1
-    judge = HFBackend(found["large"], dtype="float32").judge(
-        [prompts.judge_messages(scene.image, q.question, q.options)]
+    judge = tool_probability(
+        HFBackend(found["large"], dtype="float32"),
+        [prompts.judge_messages(scene.image, q.question, q.options)],
     )
     assert 0.0 <= judge[0] <= 1.0
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import math
 import os
 import signal
@@ -27,7 +28,8 @@ import pytest
 from PIL import Image
 
 from speceyes import gate, prompts
-from speceyes.backends.base import BackendError, decode_rule_p_tool
+from speceyes.backends.base import BackendError
+from speceyes.judging import decode_rule_p_tool, tool_probability
 from tests.conftest import make_scene
 from tests.test_openai_logic import dead_url, free_port
 from tests.tools.backend_contract import assert_backend_contract
@@ -203,30 +205,30 @@ def test_protocol_and_geometry(be25, be3):
     assert (v.orig_w, v.orig_h) == (1000, 600)
     assert v.view_w % 28 == 0 and v.view_h % 28 == 0 and v.view_w * v.view_h <= 64 * 28 * 28
     # The model name defaults to the first of GET /v1/models.
-    be25.judge([prompts.judge_messages(make_scene(), "Is it red?")])
+    tool_probability(be25, [prompts.judge_messages(make_scene(), "Is it red?")])
     assert be25.model and be25.name == be25.model
 
 
-def test_judge_logit_returns_probabilities(be25):
+def test_judge_logit_returns_probabilities(be25, caplog):
     batch = [
         prompts.judge_messages(make_scene(), "Is there a red square?"),
         prompts.judge_messages(_noise(), "Is there a red square?", ["yes", "no"]),
     ]
-    before = be25.judge_fallbacks
-    p = be25.judge(batch, mode="logit")
+    with caplog.at_level(logging.WARNING, logger="speceyes.judging"):
+        p = tool_probability(be25, batch, mode="logit")
     assert len(p) == 2 and all(0.0 < x < 1.0 for x in p)
-    assert be25.judge_fallbacks == before  # yes and no were both among the top logprobs
-    assert be25.judge(batch[:1]) == pytest.approx(p[:1], abs=1e-6)  # greedy: repeatable
+    assert "neither yes nor no" not in caplog.text  # both were among the top logprobs
+    assert tool_probability(be25, batch[:1]) == pytest.approx(p[:1], abs=1e-6)  # repeatable
 
 
 def test_judge_decode_mode(be25):
     batch = [prompts.judge_messages(img, "Is it red?") for img in (make_scene(), _noise())]
-    p = be25.judge(batch, mode="decode")
+    p = tool_probability(be25, batch, mode="decode")
     # The published rule applied to the same greedy 10 tokens, asked for as a plain turn.
     replies = [t.text for t in be25.chat(batch, max_new_tokens=10)]
     assert p == [decode_rule_p_tool(r) for r in replies] and all(r.strip() for r in replies)
     with pytest.raises(ValueError, match="judge mode"):
-        be25.judge([prompts.judge_messages(make_scene(), "x")], mode="vote")  # type: ignore
+        tool_probability(be25, [prompts.judge_messages(make_scene(), "x")], mode="vote")  # type: ignore
 
 
 def test_answer_topk_matches_raw_logprobs_and_plain_greedy(be25):
@@ -283,8 +285,8 @@ def test_batch_results_keep_their_order(be25):
     # Sent concurrently, answered in any order: each result must belong to its conversation.
     imgs = [make_scene(), _noise(seed=1)]
     batch = [prompts.judge_messages(i, "Is there a red square?") for i in imgs]
-    together = be25.judge(batch)
-    alone = [be25.judge([m])[0] for m in batch]
+    together = tool_probability(be25, batch)
+    alone = [tool_probability(be25, [m])[0] for m in batch]
     assert together == pytest.approx(alone, abs=1e-6)
     assert abs(alone[0] - alone[1]) > 1e-6  # the images really differ to the model
 
@@ -292,7 +294,8 @@ def test_batch_results_keep_their_order(be25):
 def test_images_reach_the_server(be25):
     a, b = be25.answer([_small(make_scene()), _small(_noise())], max_new_tokens=2, top_k=10)
     assert not np.allclose(a.topk[0], b.topk[0])
-    pa, pb = be25.judge(
+    pa, pb = tool_probability(
+        be25,
         [
             prompts.judge_messages(make_scene(), "Is it red?"),
             prompts.judge_messages(_noise(), "Is it red?"),
@@ -333,7 +336,7 @@ def test_qwen3_vl_server(be3):
     a, b = be3.answer([_small(make_scene()), _small(_noise())], max_new_tokens=2, top_k=10)
     assert a.topk.shape[1] == 10 and a.topk.shape[0] >= 1
     assert not np.allclose(a.topk[0], b.topk[0])
-    assert 0.0 <= be3.judge([prompts.judge_messages(make_scene(), "Is it red?")])[0] <= 1.0
+    assert 0.0 <= tool_probability(be3, [prompts.judge_messages(make_scene(), "Is it red?")])[0] <= 1.0
 
 
 def test_real_qwen_vocabulary_ids(tmp_path):
@@ -384,7 +387,7 @@ def test_least_loaded_replica_spreads_a_batch(q25_url):
     # Two names for the one live server: a batch of 4 in flight splits 2/2.
     urls = [q25_url, q25_url + "/"]
     with OpenAIBackend(urls, model="any", extra_body=GREEDY, **SMALL_PIXELS) as b:
-        b.judge([prompts.judge_messages(make_scene(), f"q{i}") for i in range(4)])
+        tool_probability(b, [prompts.judge_messages(make_scene(), f"q{i}") for i in range(4)])
         served = [s["served"] for s in b.replica_stats()]
     assert served == [2, 2]
 
@@ -441,12 +444,14 @@ def test_sync_facade_works_inside_a_running_event_loop(be25):
 
     async def main():
         # A sync call from a coroutine must not deadlock: the backend owns its own loop.
-        direct = be25.judge([prompts.judge_messages(make_scene(), "Is it red?")])
-        via = await be25.ajudge([prompts.judge_messages(make_scene(), "Is it red?")])
-        return direct, via
+        msgs = [prompts.small_messages(make_scene(), "Is it red?")]
+        direct = be25.chat(msgs, max_new_tokens=4)[0].text
+        via = (await be25.achat(msgs, max_new_tokens=4))[0].text
+        p_tool = tool_probability(be25, [prompts.judge_messages(make_scene(), "Is it red?")])
+        return direct, via, p_tool
 
-    direct, via = asyncio.run(main())
-    assert direct == pytest.approx(via, abs=1e-6)
+    direct, via, p_tool = asyncio.run(main())
+    assert direct == via and 0.0 <= p_tool[0] <= 1.0
 
 
 def test_server_killed_mid_eval_loses_nothing_and_resumes(gguf_models, tmp_path):

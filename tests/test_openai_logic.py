@@ -16,6 +16,7 @@ import pytest
 from speceyes import gate, prompts
 from speceyes.backends.base import BackendError
 from speceyes.backends.openai import OpenAIBackend, word_probs
+from speceyes.judging import tool_probability
 from tests.conftest import make_scene
 
 pytest.importorskip("openai")
@@ -36,7 +37,7 @@ def test_dead_server_raises_backend_error_naming_the_url():
     b = OpenAIBackend(url, max_retries=2, backoff=0.05, timeout=5)
     t0 = time.monotonic()
     with pytest.raises(BackendError, match=r"failed after 3 attempts.*127\.0\.0\.1"):
-        b.judge([prompts.judge_messages(make_scene(), "q")])
+        tool_probability(b, [prompts.judge_messages(make_scene(), "q")])
     assert time.monotonic() - t0 < 10
     assert url in str(b.replica_stats()) and b.replica_stats()[0]["total_failures"] == 3
     b.close()
@@ -143,3 +144,5 @@ def test_word_probs_keep_the_best_of_tokens_that_share_a_text():
     p = word_probs([("a", -3.0), ("a", -0.5), ("b", -math.inf)], ["a", "b"])
     np.testing.assert_allclose(p, [math.exp(-0.5), 0.0])
     assert word_probs([], ["a"]).tolist() == [0.0]
+    # each token counts once: a repeated word, and a blank one, get 0
+    assert word_probs([("a", -0.5), (" ", -1.0)], ["a", "a", " "]).tolist() == [math.exp(-0.5), 0, 0]

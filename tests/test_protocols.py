@@ -16,8 +16,10 @@ import numpy as np
 import pytest
 
 from speceyes import gate, prompts, protocols
+from speceyes.agents.published_zoom import PublishedZoomAgent
 from speceyes.agents.zoom import ZoomAgent
-from speceyes.backends.base import decode_rule_p_tool
+from speceyes.judging import decode_rule_p_tool
+from speceyes.protocols import FAIR, PUBLISHED
 from speceyes.types import ChatTurn, Query, SpecAnswer
 from tests.conftest import make_scene
 
@@ -58,7 +60,7 @@ def test_question_blocks_deepeyes_layout():
     assert protocols.published_question_block(q, opts) == VSTAR_BLOCK
     assert protocols.published_question_block("Is there a dog in the image?", None) == POPE_BLOCK
     # fair is the DeepEyes eval's layout, unchanged
-    assert protocols.question_text("fair", "deepeyes", q, opts) == prompts.question_block(q, opts)
+    assert FAIR.question_text("deepeyes", q, opts) == prompts.question_block(q, opts)
     assert prompts.question_block(q, opts) == "Question: " + q + "\nOptions: \nA. red\nB. blue\n\n"
     with pytest.raises(ValueError, match="at most 6"):  # abc_map stops at F
         protocols.published_question_block(q, list("abcdefg"))
@@ -74,26 +76,25 @@ def test_question_text_thyme_layout():
     pope = protocols.published_thyme_question("Is there a dog?", None, "yorn")
     assert pope == "Question: Is there a dog?\nPlease answer 'yes' or 'no'."
     # phases I and II see question_text.split('Please')[0]
-    assert protocols.question_text("published", "thyme", q, ["red", "blue"]) == (
+    assert PUBLISHED.question_text("thyme", q, ["red", "blue"]) == (
         "Question: What is the color of the cup?\nOptions:\nA. red\nB. blue\n"
     )
-    assert protocols.question_text("published", "thyme", "Is there a dog?", None) == (
+    assert PUBLISHED.question_text("thyme", "Is there a dog?", None) == (
         "Question: Is there a dog?\n"
     )
     # ... including a "Please" inside the question, as the published split does
-    assert protocols.question_text("published", "thyme", "Please look: red?", ["a", "b"]) == (
+    assert PUBLISHED.question_text("thyme", "Please look: red?", ["a", "b"]) == (
         "Question: "
     )
 
 
 def test_judge_and_small_messages(scene):
-    fair_j = protocols.judge_messages("fair", "deepeyes", scene, "Is it red?", ["yes", "no"])
+    fair_j = FAIR.judge_messages("deepeyes", scene, "Is it red?", ["yes", "no"])
     assert fair_j == prompts.judge_messages(scene, "Is it red?", ["yes", "no"])
-    pub = protocols.judge_messages("published", "deepeyes", scene, "What is the color of the cup?",
-                                   ["red", "blue"])  # fmt: skip
+    pub = PUBLISHED.judge_messages("deepeyes", scene, "What is the color of the cup?", ["red", "blue"])
     assert pub[0] == {"role": "system", "content": JUDGE_SYSTEM}
     assert pub[1]["content"][1]["text"] == VSTAR_BLOCK + JUDGE_USER
-    small = protocols.small_messages("published", "deepeyes", scene, "Is there a dog in the image?")
+    small = PUBLISHED.small_messages("deepeyes", scene, "Is there a dog in the image?")
     assert small[0]["content"] == SMALL_SYSTEM
     assert small[1]["content"][1]["text"] == POPE_BLOCK + "\nAnswer:"
 
@@ -112,10 +113,10 @@ def test_published_smart_resize_and_view_cap():
     # The small model (Qwen3-VL, factor 32, up to 16384*32*32 px) is shown at most
     # 16384*28*28 pixels: the image is resized before it reaches the model's own processor.
     big = make_scene(size=(7680, 4320), box=(10, 10, 50, 50))
-    msgs = protocols.small_messages("published", "deepeyes", big, "Is there a dog?")
+    msgs = PUBLISHED.small_messages("deepeyes", big, "Is there a dog?")
     shown = msgs[1]["content"][0]["image"]
     assert shown.size == (4760, 2688) and shown.width * shown.height <= 16384 * 28 * 28
-    fair = protocols.small_messages("fair", "deepeyes", big, "Is there a dog?")
+    fair = FAIR.small_messages("deepeyes", big, "Is there a dog?")
     assert fair[1]["content"][0]["image"].size == (7680, 4320)
 
 
@@ -134,20 +135,27 @@ def test_judge_decode_rule():
             return [ChatTurn(text=t, finish_reason="stop") for t in self.texts]
 
     be = Replies(["No", " no", "yes"])
-    assert protocols.judge(be, [[], [], []], "published", "logit", "deepeyes") == [0.0, 1.0, 1.0]
+    assert PUBLISHED.tool_probability(be, [[], [], []], "logit", "deepeyes") == [0.0, 1.0, 1.0]
     assert be.calls == [(prompts.DEEPEYES_STOP, 10)]
-    protocols.judge(be, [[], [], []], "published", "logit", "thyme")
+    PUBLISHED.tool_probability(be, [[], [], []], "logit", "thyme")
     assert be.calls[-1] == (prompts.THYME_STOP, 10)
+    # fair's decode mode: the same 10 tokens, no stop strings, the stripping rule
+    assert FAIR.tool_probability(be, [[], [], []], "decode", "deepeyes") == [0.0, 0.0, 1.0]
+    assert be.calls[-1] == ((), 10)
 
 
 def test_loop_settings_and_batch_size():
-    assert protocols.loop_settings("published", "deepeyes") == protocols.LoopSettings(6, 512, 6)
-    assert protocols.loop_settings("published", "thyme") == protocols.LoopSettings(6, 2048, 5)
-    assert protocols.loop_settings("fair", "thyme") == protocols.LoopSettings(8, 1024, 5)
+    assert PUBLISHED.loop_settings("deepeyes") == protocols.LoopSettings(6, 512, 6)
+    assert PUBLISHED.loop_settings("thyme") == protocols.LoopSettings(6, 2048, 5)
+    assert FAIR.loop_settings("thyme") == protocols.LoopSettings(8, 1024, 5)
+    assert protocols.get_protocol("fair") is FAIR and protocols.get_protocol("published") is PUBLISHED
+    assert list(protocols.PROTOCOLS) == ["fair", "published"]
     with pytest.raises(ValueError, match="unknown protocol"):
-        protocols.loop_settings("paper")
+        protocols.get_protocol("paper")
     with pytest.raises(ValueError, match="deepeyes and thyme"):
-        protocols.family_of("search", "published")
+        PUBLISHED.family_of("search")
+    assert FAIR.family_of("search") == "deepeyes" and FAIR.family_of("thyme") == "thyme"
+    assert PUBLISHED.family_of(None) == "deepeyes"  # small-only: the DeepEyes layout
 
 
 def test_log_aggregation_over_the_full_vocabulary():
@@ -161,17 +169,33 @@ def test_log_aggregation_over_the_full_vocabulary():
     soft /= soft.sum(1, keepdims=True)
     want = float(np.exp(np.log(soft.max(1)).mean()))  # the released code's `log` mode
 
-    class HFBackend:  # a stand-in named like the transformers backend: whole rows on request
-        def answer(self, batch, max_new_tokens=20, top_k=64):
-            assert top_k >= rows.shape[1]
-            return [SpecAnswer(text="A", topk=-np.sort(-rows, axis=1)) for _ in batch]
+    class WholeRows:  # a backend that declares whole logit rows: every row on request
+        scores = "logits"
 
-    be = HFBackend()
-    answers = protocols.small_answers(be, [[]], "published", max_new_tokens=20, top_k=20, agg="log")
-    conf = protocols.confidence(be, answers, "published", top_k=20, agg="log", alpha=0.6)
+        def answer(self, batch, max_new_tokens=20, top_k=64):
+            k = min(top_k, rows.shape[1])
+            return [SpecAnswer(text="A", topk=-np.sort(-rows, axis=1)[:, :k]) for _ in batch]
+
+    be = WholeRows()
+    answers = PUBLISHED.answers(be, [[]], max_new_tokens=20, top_k=20, agg="log")
+    conf = PUBLISHED.confidence(be, answers, top_k=20, agg="log", alpha=0.6)
     assert conf[0] == pytest.approx(want, rel=1e-5)
     topk_only = gate.batch_confidence([rows], top_k=20, agg="log")[0]  # fair: top-K softmax
     assert topk_only > want * 1.1  # top-K renormalisation overstates p_max
+    fair = FAIR.answers(be, [[]], max_new_tokens=20, top_k=20, agg="log")
+    assert fair[0].topk.shape == (5, 20)  # fair asks for the top-K only
+    assert FAIR.confidence(be, fair, top_k=20, agg="log", alpha=0.6)[0] == pytest.approx(topk_only)
+
+    class Logprobs(WholeRows):  # a server's top logprobs: taken as they come
+        scores = "logprobs"
+
+    be = Logprobs()
+    served = PUBLISHED.answers(be, [[]], max_new_tokens=20, top_k=20, agg="log")
+    assert served[0].topk.shape == (5, 20)
+    served[0].topk = logp
+    assert PUBLISHED.confidence(be, served, top_k=20, agg="log", alpha=0.6)[0] == pytest.approx(
+        want, rel=1e-5
+    )
 
 
 # ---- the DeepEyes loop ----------------------------------------------------------------------
@@ -211,7 +235,7 @@ def test_zoom_published_loop_rules():
         _call([100, 100, 110, 108]),  # 10x8 px: no 28-px check under published
         "<answer>A</answer> and <answer>B</answer>",
     ])  # fmt: skip
-    out = ZoomAgent(be, protocol="published").run([_query()])[0]
+    out = PublishedZoomAgent(be).run([_query()])[0]
     assert out.error is None and out.answer == "A"  # the first answer of the turn
     assert be.tokens == [512] * 4
     first = be.seen[0][0]
@@ -229,15 +253,34 @@ def test_zoom_published_loop_rules():
     assert crop.size == protocols.published_smart_resize(10, zoom["crop_box"][3] - zoom["crop_box"][1])
 
 
+def test_the_protocol_picks_the_agent_loop():
+    from speceyes.agents.code import CodeAgent
+    from speceyes.agents.published_code import PublishedCodeAgent
+    from speceyes.factory import AgentSettings, make_agent
+
+    be = Scripted([])
+    fair, pub = make_agent(AgentSettings(), be), make_agent(AgentSettings(), be, protocol="published")
+    assert type(fair) is ZoomAgent and (fair.protocol, fair.max_tool_calls, fair.max_new_tokens) == (
+        "fair", 5, 1024
+    )
+    assert type(pub) is PublishedZoomAgent and (pub.protocol, pub.max_tool_calls) == ("published", 6)
+    thyme = AgentSettings(kind="thyme", max_tool_calls=2)
+    with make_agent(thyme, be) as c, make_agent(thyme, be, protocol="published") as pc:
+        assert type(c) is CodeAgent and type(pc) is PublishedCodeAgent
+        assert (pc.max_tool_calls, pc.max_new_tokens) == (2, 2048)  # a given budget wins
+    with pytest.raises(ValueError, match="unknown protocol"):
+        make_agent(AgentSettings(), be, protocol="paper")
+
+
 def test_zoom_published_errors():
-    six = ZoomAgent(Scripted(["<think>x</think>"] * 7), protocol="published").run([_query()])[0]
+    six = PublishedZoomAgent(Scripted(["<think>x</think>"] * 7)).run([_query()])[0]
     assert six.turns == 6 and six.error == "Step exceeds maximum number of steps"
     no_box = Scripted(['<tool_call>{"name": "image_zoom_in_tool", "arguments": {}}</tool_call>'])
-    out = ZoomAgent(no_box, protocol="published").run([_query()])[0]
+    out = PublishedZoomAgent(no_box).run([_query()])[0]
     assert out.error.startswith("KeyError")
-    empty = ZoomAgent(Scripted([_call([5, 5, 5, 5])]), protocol="published").run([_query()])[0]
+    empty = PublishedZoomAgent(Scripted([_call([5, 5, 5, 5])])).run([_query()])[0]
     assert empty.error.startswith("ZeroDivisionError")
-    unclosed = ZoomAgent(Scripted(["<answer>red"]), protocol="published").run([_query()])[0]
+    unclosed = PublishedZoomAgent(Scripted(["<answer>red"])).run([_query()])[0]
     assert unclosed.error is None and unclosed.answer == "<answer>red"
 
 
@@ -247,7 +290,8 @@ def _code(body: str) -> str:
 
 
 def test_thyme_published_loop_rules():
-    from speceyes.agents.code import THYME_MODULES, CodeAgent
+    from speceyes.agents.code import THYME_MODULES
+    from speceyes.agents.published_code import PublishedCodeAgent
     from speceyes.agents.sandbox import Sandbox
 
     be = Scripted([
@@ -256,8 +300,8 @@ def test_thyme_published_loop_rules():
         "<answer>yes</answer>",
     ])  # fmt: skip
     query = Query(id="7", image=make_scene(), question="Is there a dog?", category="adversarial")
-    with Sandbox(pool_size=1, allowed_modules=THYME_MODULES) as sb, CodeAgent(
-        be, sandbox=sb, protocol="published"
+    with Sandbox(pool_size=1, allowed_modules=THYME_MODULES) as sb, PublishedCodeAgent(
+        be, sandbox=sb
     ) as agent:
         out = agent.run([query])[0]
     assert out.error is None and out.answer == "yes"
@@ -271,9 +315,9 @@ def test_thyme_published_loop_rules():
 
 
 def test_thyme_published_no_answer_is_an_error():
-    from speceyes.agents.code import CodeAgent
+    from speceyes.agents.published_code import PublishedCodeAgent
 
-    with CodeAgent(Scripted(["<think>I am not sure</think>"]), protocol="published") as agent:
+    with PublishedCodeAgent(Scripted(["<think>I am not sure</think>"])) as agent:
         out = agent.run([_query()])[0]
     assert out.error and out.answer == "No answer tag found in the final output."
 

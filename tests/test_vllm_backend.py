@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from speceyes import gate, prompts
+from speceyes.judging import tool_probability
 from tests.conftest import make_scene
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed (CUDA-only wheels)")
@@ -23,7 +24,7 @@ def engine(tiny_dirs):  # pragma: no cover - GPU only
 
 def test_judge_answer_chat_on_gpu(engine):  # pragma: no cover - GPU only
     img = make_scene()
-    p = engine.judge([prompts.judge_messages(img, "Is it red?")])
+    p = tool_probability(engine, [prompts.judge_messages(img, "Is it red?")])
     assert 0 <= p[0] <= 1
     a = engine.answer([prompts.small_messages(img, "Color?")], max_new_tokens=5, top_k=20)[0]
     assert a.topk.shape == (len(a.token_ids), 20)

@@ -24,6 +24,7 @@ from PIL import Image
 from speceyes import gate, prompts
 from speceyes.backends import vllm as vb
 from speceyes.images import smart_resize, to_data_uri
+from speceyes.judging import JUDGE_LOGPROBS, p_tool_from_word_probs, tool_probability
 from tests.conftest import make_scene
 
 
@@ -98,9 +99,11 @@ def test_judge_and_token_probabilities_from_one_step():
     step = {1: Logprob(math.log(0.3)), 2: Logprob(math.log(0.1)), 3: Logprob(math.log(0.2)),
             9: Logprob(math.log(0.05))}
     # yes ids {1, 2} sum to 0.4, no id {3} is 0.2: 0.4 / 0.6.
-    assert vb.judge_p_tool(step, {1, 2}, {3}) == pytest.approx(2 / 3)
-    assert vb.judge_p_tool(step, {7}, {8}) == 0.5  # neither among the logprobs: undecided
-    np.testing.assert_allclose(vb.token_probs(step, [3, 42, 1]), [0.2, 0.0, 0.3])
+    words = np.array([vb.token_probs(step, [1, 2, None, None, None, None, 3, *[None] * 5])])
+    assert p_tool_from_word_probs(words) == [pytest.approx(2 / 3)]
+    # neither among the logprobs: undecided
+    assert p_tool_from_word_probs(np.array([vb.token_probs(step, [7] * 6 + [8] * 6)])) == [0.5]
+    np.testing.assert_allclose(vb.token_probs(step, [3, 42, 1, None]), [0.2, 0.0, 0.3, 0.0])
     request = RequestOutput("r", [CompletionOutput(0, "a", [1], None, [step])])
     assert vb.first_step(request) is step
     assert vb.first_step(RequestOutput("r", [CompletionOutput(0, "", [], None, None)])) == {}
@@ -223,11 +226,15 @@ def test_backend_methods_over_the_stand_in_engine(backend):
         top = set(np.argsort(-full)[:12].tolist())
         want = [full[i] if i in top else 0.0 for i in map(tok.vocab.index, ["yes", "red", "7"])]
         np.testing.assert_allclose(row, want, rtol=1e-9)
-    # judge: the yes/no first-token ids of the engine's tokenizer.
-    assert (sorted(backend.yes_ids), sorted(backend.no_ids)) == ([1, 2], [3, 4])
-    probs = backend.next_token_probs(batch, ["yes", "Yes", "no", "No"])
+    # The tool probability: the yes/no first-token ids of the engine's tokenizer, each once
+    # (" yes" is "yes" to this tokenizer; "YES" is no token of it), over the judge's top 20.
+    assert backend.scores == "logprobs"
+    probs = backend.next_token_probs(batch, ["yes", "Yes", "no", "No"], top_logprobs=20)
+    assert llm.calls[-1][1].logprobs == 12  # at most the engine's cap
     want = probs[:, :2].sum(1) / probs.sum(1)
-    np.testing.assert_allclose(backend.judge(batch), want, rtol=1e-9)
+    np.testing.assert_allclose(tool_probability(backend, batch), want, rtol=1e-9)
+    assert llm.calls[-1][1].logprobs == min(JUDGE_LOGPROBS, 12)
+    assert backend.next_token_probs(batch, ["yes", " yes", "YES"])[:, 1:].tolist() == [[0, 0]] * 2
     # answer: the text and top-K rows before EOS.
     a, b = backend.answer(batch, max_new_tokens=5, top_k=4)
     assert len(a.token_ids) == 2 and a.topk.shape == (2, 4) and 0 not in a.token_ids
@@ -247,3 +254,17 @@ def test_continued_turns_go_in_their_own_call_and_results_keep_order(backend):
     ]
     alone = [backend.chat([m], max_new_tokens=1)[0].text for m in batch]
     assert [t.text for t in turns] == alone and all(t.finish_reason == "length" for t in turns)
+
+
+def test_tool_probability_reads_the_judges_top_logprobs_under_a_higher_cap(monkeypatch):
+    fake = types.ModuleType("vllm")
+    fake.LLM, fake.SamplingParams = LLM, SamplingParams
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    be = vb.VLLMBackend("m", family="qwen3_vl", max_logprobs=64)
+    assert be.factor == 32 and be.max_pixels == 16384 * 32 * 32
+    tool_probability(be, [_conv("a")])
+    assert be.llm.calls[-1][1].logprobs == JUDGE_LOGPROBS  # not the whole cap of 64
+    be.next_token_probs([_conv("a")], ["yes"])
+    assert be.llm.calls[-1][1].logprobs == 64
+    with pytest.raises(ValueError, match="model family"):
+        vb.VLLMBackend("m", family="llava")

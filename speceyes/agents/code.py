@@ -14,15 +14,9 @@ rewrites (crop boxes clamped to the image with a 64 px minimum, the placeholder 
 Backends continue a turn through a message flag: the conversation's last message is
 ``{"role": "assistant", "content": [...], "continue": True}``.
 
-``protocol="published"`` follows the loop SpecEyes ran (``eval_code_thyme/utils.py``
-``run_evaluation`` and ``eval_code_thyme/sandbox.py``): 5 generations of up to 2048 tokens; a
-code block that fails or shows nothing is dropped from the turn and the model generates again
-(the generation still counts); a segment with neither code nor an answer ends the loop, and no
-``<answer>`` in the turn makes the row an error; the code starts with ``os, math, Image,
-np/numpy, json, re, cv2, string, random`` and ``temp_output_dir`` defined, as the published
-sandbox's globals do; POPE is asked as ``Question: {q}\nPlease answer 'yes' or 'no'.``
+The published protocol's loop is :class:`~speceyes.agents.published_code.PublishedCodeAgent`.
 
-Unlike the published in-process ``exec``, the code runs in :class:`~speceyes.agents.sandbox.
+Unlike Thyme's in-process ``exec``, the code runs in :class:`~speceyes.agents.sandbox.
 Sandbox` (a separate, isolated, resource-limited process per run). Variables do not persist
 from one code block to the next (Thyme pickled them between blocks). The model's text is never
 executed on the host: it is only parsed (``ast``) to apply the rewrites.
@@ -87,19 +81,6 @@ _BOX_VARS = {
     "left_crop_coords", "right_crop_coords", "top_crop_coords", "bottom_crop_coords",
 }  # fmt: skip
 _YES_NO_CATEGORIES = ("adversarial", "popular", "random")  # POPE splits: Thyme's Y/N prompt
-# The published sandbox's globals and locals (sandbox.py _sandboxed_execution_target): names
-# its code could use without importing them. cv2 only where it is installed, as there.
-PUBLISHED_PRELUDE = (
-    "import os, math, json, re, string, random\n"
-    "import numpy\n"
-    "import numpy as np\n"
-    "from PIL import Image\n"
-    "try:\n"
-    "    import cv2\n"
-    "except ImportError:\n"
-    "    pass\n"
-    'temp_output_dir = "./"\n'
-)
 
 
 class CodeBlockError(ValueError):
@@ -280,7 +261,7 @@ class _Loop:
     parts: list[dict[str, Any]] = field(default_factory=list)  # the assistant turn so far
     tmpdir: str | None = None
     images_shown: int = 1
-    pending: str | None = None  # published: the segment whose code is running
+    pending: str | None = None  # PublishedCodeAgent: the segment whose code is running
     outcome: AgentOutcome = field(default_factory=lambda: AgentOutcome(answer=""))
     done: bool = False
     started: float = field(default_factory=time.perf_counter)
@@ -338,6 +319,7 @@ class CodeAgent(LoopAgent):
     """Thyme's code-writing loop over any backend, with a process sandbox."""
 
     name = "thyme"
+    protocol = "fair"  # the evaluation protocol whose loop rules and defaults it follows
     default_tau = 0.95
     # its first prompt names a per-run sandbox file, so no judge can share it
     shares_first_prompt = False
@@ -359,13 +341,11 @@ class CodeAgent(LoopAgent):
         max_images: int = MAX_IMAGES,
         workers: int = 4,
         sandbox_kwargs: dict[str, Any] | None = None,
-        protocol: str = "fair",
     ) -> None:
         self.backend = backend
-        self.protocol = protocols.check_protocol(protocol)
-        # None: the protocol's default (protocols.loop_settings: the fair budget, or the
-        # authors' generation budget and tokens per turn).
-        limits = protocols.loop_settings(protocol, "thyme")
+        # None: the protocol's loop default (protocols.LoopSettings; published: the authors'
+        # generation budget and tokens per turn).
+        limits = protocols.get_protocol(self.protocol).loop_settings("thyme")
         self.max_tool_calls = limits.max_tool_calls if max_tool_calls is None else max_tool_calls
         self.max_new_tokens = limits.agent_max_tokens if max_new_tokens is None else max_new_tokens
         # An engine's own per-prompt image limit (vLLM) must not fail the whole batch.
@@ -443,16 +423,6 @@ class CodeAgent(LoopAgent):
         return self._messages(query, image, name)
 
     def _messages(self, query: Query, image: Image.Image, name: str) -> Messages:
-        if self.protocol == "published":
-            kind = "yorn" if _question_kind(query) == "yorn" else None
-            question = protocols.published_thyme_question(query.question, query.options, kind)
-            text = prompts.THYME_USER_TEMPLATE.format(
-                question=question, image_path=name, image_size=f"{image.width}x{image.height}"
-            )
-            return [
-                {"role": "system", "content": prompts.THYME_SYSTEM},
-                {"role": "user", "content": [prompts.image_part(image), prompts.text_part(text)]},
-            ]
         return prompts.thyme_messages(
             image, query.question, query.options, name, image.size, _question_kind(query)
         )
@@ -476,8 +446,6 @@ class CodeAgent(LoopAgent):
 
     def _step(self, loop: _Loop, text: str, finish: str) -> tuple[str, str] | None:
         """Consume one generated segment; returns (code, code to run) when a block must run."""
-        if self.protocol == "published":
-            return self._step_published(loop, text, finish)
         out = loop.outcome
         out.turns += 1
         out.trace.append({"type": "assistant", "text": text, "finish": finish})
@@ -513,65 +481,6 @@ class CodeAgent(LoopAgent):
             return None
         w, h = loop.image.size
         return code, rewrite_code(code, w, h, loop.image_name)
-
-    # ---- the published loop --------------------------------------------------------------
-    def _published_end(self, loop: _Loop) -> None:
-        """The answer is the first <answer> of the assistant turn; none makes the row an error."""
-        found = re.search(r"<answer>(.*?)</answer>", loop.text, re.DOTALL)
-        loop.done = True
-        if found:
-            loop.outcome.answer = found.group(1).strip()
-        else:
-            loop.outcome.answer = "No answer tag found in the final output."
-            loop.outcome.error = "no <answer> in the final output"
-
-    def _step_published(self, loop: _Loop, text: str, finish: str) -> tuple[str, str] | None:
-        out = loop.outcome
-        out.turns += 1
-        out.trace.append({"type": "assistant", "text": text, "finish": finish})
-        if "</answer>" in text:
-            self._append(loop, prompts.text_part(text))
-            self._published_end(loop)
-            return None
-        found = _CODE.search(text)
-        if found is None:
-            self._published_end(loop)  # the segment itself is not kept, as published
-            return None
-        code = found.group(1).strip()
-        if any(p.search(code) for p in _DANGEROUS):
-            self._published_drop(loop, code, "Execution denied (dangerous pattern)")
-            return None
-        w, h = loop.image.size
-        loop.pending = text
-        return code, PUBLISHED_PRELUDE + rewrite_code(code, w, h, loop.image_name)
-
-    def _published_drop(self, loop: _Loop, code: str, why: str) -> None:
-        """A failed block is discarded; the generation counts against the budget."""
-        loop.outcome.invalid_tool_calls += 1
-        loop.outcome.trace.append({"type": "tool_error", "error": why, "code": code})
-        loop.pending = None
-        if loop.outcome.turns >= self.max_tool_calls:
-            self._published_end(loop)
-
-    def _deliver_published(self, loop: _Loop, code: str, ran: str, res: SandboxResult) -> None:
-        images, problem = self._images(loop, res.images) if res.ok and res.images else ([], None)
-        loop.outcome.trace.append(
-            {"type": "code", "code": code, "ran": ran, "ok": res.ok, "stdout": res.stdout,
-             "error": res.error, "images": len(res.images), "elapsed": round(res.elapsed, 6)}
-        )  # fmt: skip
-        shown = [prompts.image_part(im) for im in images]
-        if not shown and res.ok and not problem and res.stdout.strip():
-            shown = [prompts.text_part(res.stdout.strip())]
-        if not shown:  # an error, or nothing to show: the published loop regenerates
-            self._published_drop(loop, code, problem or res.error or "no output")
-            return
-        loop.outcome.tool_calls += 1
-        loop.images_shown += len(images)
-        self._append(loop, prompts.text_part(loop.pending or ""))
-        loop.pending = None
-        self._output(loop, *shown)
-        if loop.outcome.turns >= self.max_tool_calls:
-            self._published_end(loop)
 
     def _error_text(self, loop: _Loop, error: str) -> str:
         """The sandbox's error in the words Thyme's sandbox used (its last traceback line)."""
@@ -666,10 +575,7 @@ class CodeAgent(LoopAgent):
                 loop.done = True
             else:
                 try:
-                    if self.protocol == "published":
-                        self._deliver_published(loop, code, ran, res)
-                    else:
-                        self._deliver(loop, code, ran, res)
+                    self._deliver(loop, code, ran, res)
                 finally:
                     res.discard()  # the images are in memory now: no copies pile up on disk
 

@@ -41,6 +41,18 @@ def agent_class(name: str) -> type:
     return cls
 
 
+def published_loop(cls: type) -> type:
+    """The published protocol's variant of an agent loop: the authors' own rules, in a subclass
+    of its own file; the published protocol covers DeepEyes and Thyme only."""
+    from speceyes.agents.published_code import PublishedCodeAgent
+    from speceyes.agents.published_zoom import PublishedZoomAgent
+
+    for sub in (PublishedZoomAgent, PublishedCodeAgent):
+        if sub.name == cls.name:
+            return sub
+    raise ValueError(f"the published protocol covers the deepeyes and thyme agents, not {cls.name!r}")
+
+
 def flag(text: str) -> bool:
     """1/0, true/false, yes/no, on/off -> bool; anything else is a ValueError."""
     t = text.strip().lower()

@@ -8,7 +8,7 @@ Backends know nothing of the funnel. All of them take OpenAI-style chat messages
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, NamedTuple, Protocol
 
 import numpy as np
 
@@ -16,37 +16,80 @@ from speceyes.images import View
 from speceyes.types import ChatTurn, SpecAnswer
 
 Messages = list[dict[str, Any]]
-JudgeMode = Literal["logit", "decode"]
+BoxCoords = Literal["absolute", "relative1000"]
+# What ``answer()``'s top-K values are: raw logits (a whole row when top_k >= the vocabulary)
+# or logprobs (already normalised over the full vocabulary; a server's top-K only).
+Scores = Literal["logits", "logprobs"]
 
 # Per model family: the box convention of its tool calls and its resize factor (patch x merge).
-FAMILIES: dict[str, tuple[Literal["absolute", "relative1000"], int]] = {
+MODEL_FAMILIES: dict[str, tuple[BoxCoords, int]] = {
     "qwen2_5_vl": ("absolute", 28),
     "qwen3_vl": ("relative1000", 32),
 }
-
-# First-token variants whose probabilities are summed for the one-step judge.
-YES_VARIANTS = ("yes", "Yes", "YES", " yes", " Yes", " YES")
-NO_VARIANTS = ("no", "No", "NO", " no", " No", " NO")
 
 
 class BackendError(RuntimeError):
     """A model call failed (timeout, server error, out of memory); the message says which."""
 
 
+class ViewGeometry(NamedTuple):
+    """How a model is shown an image: smart_resize with ``factor`` between ``min_pixels`` and
+    ``max_pixels``, and how the boxes it writes are read."""
+
+    box_coords: BoxCoords
+    factor: int
+    min_pixels: int
+    max_pixels: int
+
+
+def view_geometry(
+    family: str,
+    processor: Any = None,
+    *,
+    min_pixels: int | None = None,
+    max_pixels: int | None = None,
+) -> ViewGeometry:
+    """A model family's geometry, read from its image processor (its config's ``patch_size``,
+    ``merge_size`` and ``size``) where one is given, else the family's defaults (DeepEyes'
+    4..16384 merged patches); explicit pixel limits win over both."""
+    if family not in MODEL_FAMILIES:
+        raise ValueError(
+            f"unsupported model family {family!r}; use one of {', '.join(MODEL_FAMILIES)}"
+        )
+    box_coords, factor = MODEL_FAMILIES[family]
+    size: Any = {}
+    if processor is not None:
+        factor = int(getattr(processor, "patch_size", factor // 2)) * int(
+            getattr(processor, "merge_size", 2)
+        )
+        size = getattr(processor, "size", None) or {}
+    get = size.get if isinstance(size, dict) else lambda k, d=None: getattr(size, k, d)
+    return ViewGeometry(
+        box_coords,
+        factor,
+        min_pixels or get("shortest_edge") or 4 * factor**2,
+        max_pixels or get("longest_edge") or 16384 * factor**2,
+    )
+
+
 class Backend(Protocol):
-    """Everything the funnel and the agents use of a model runtime.
+    """Everything the funnel and the agents use of a model runtime: four methods and the
+    capabilities below, declared as plain attributes (callers read them, never the class name).
 
     Geometry: every image a backend is given is smart_resized with ``factor``, ``min_pixels``
     and ``max_pixels`` before the model sees it; agents crop and resize with the same numbers
-    so that the boxes a model writes map back to the original exactly.
+    so that the boxes a model writes map back to the original exactly (see ``view_geometry``).
     """
 
     name: str
     # "absolute" pixels of the resized view (Qwen2.5-VL) or "relative1000" (Qwen3-VL).
-    box_coords: Literal["absolute", "relative1000"]
+    box_coords: BoxCoords
     factor: int  # side of one merged visual token in pixels (patch size x merge size)
     min_pixels: int
     max_pixels: int
+    # What answer()'s top-K values are: "logits" (in process, the whole vocabulary) or
+    # "logprobs" (an engine's or server's top logprobs).
+    scores: Scores
     # Images one conversation may hold (an engine's per-prompt limit); None: no limit.
     max_images: int | None
     # Top logprobs one generated token can return (a server's cap); None: the whole vocabulary.
@@ -56,22 +99,24 @@ class Backend(Protocol):
         """The geometry of ``image`` as this model sees it (after its smart_resize)."""
         ...
 
-    def next_token_probs(self, batch: Sequence[Messages], words: Sequence[str]) -> np.ndarray:
+    def next_token_probs(
+        self, batch: Sequence[Messages], words: Sequence[str], top_logprobs: int | None = None
+    ) -> np.ndarray:
         """P(first token of each word) at the next position, ``[conversations, words]``.
 
-        One step per conversation. Backends that see only the top logprobs (servers) give 0 to
-        a word outside them: rows may sum to less than one, so callers normalise over the words.
+        One step per conversation. Each token counts once: a word whose first token is a bare
+        space, is missing, or is an earlier word's first token gets 0, so a sum over words
+        (spelling variants) is a sum over distinct tokens. Backends that see only the top
+        logprobs (servers) read at most ``top_logprobs`` of them (None: ``max_logprobs``) and
+        give 0 to a word outside them: rows may sum to less than one, so callers normalise
+        over the words. A full-vocabulary backend ignores ``top_logprobs``.
         """
-        ...
-
-    def judge(self, batch: Sequence[Messages], mode: JudgeMode = "logit") -> list[float]:
-        """P(tool) per conversation. ``decode`` mode returns 0.0 or 1.0 (published rule)."""
         ...
 
     def answer(
         self, batch: Sequence[Messages], max_new_tokens: int = 20, top_k: int = 64
     ) -> list[SpecAnswer]:
-        """Greedy answers with the top-K logits of every generated token before EOS."""
+        """Greedy answers with the top-K ``scores`` of every generated token before EOS."""
         ...
 
     def chat(
@@ -81,21 +126,21 @@ class Backend(Protocol):
         ...
 
 
-def answer_token_ids(tokenizer: Any) -> tuple[list[int], list[int]]:
-    """First-token ids of the yes and the no variants; an id in both counts for neither."""
-
-    def first_ids(words: Sequence[str]) -> set[int]:
-        out = set()
-        for w in words:
-            ids = tokenizer.encode(w, add_special_tokens=False)
-            # Only a first token that itself starts the word counts (not a bare space).
-            if ids and tokenizer.decode(ids[:1]).strip():
-                out.add(ids[0])
-        return out
-
-    yes, no = first_ids(YES_VARIANTS), first_ids(NO_VARIANTS)
-    shared = yes & no
-    return sorted(yes - shared), sorted(no - shared)
+def first_token_ids(tokenizer: Any, words: Sequence[str]) -> list[int | None]:
+    """The first-token id of each word, as ``next_token_probs`` counts it: None for a word with
+    no first token that itself starts the word (empty, or a bare space) and for a word whose
+    first token an earlier word already has."""
+    out: list[int | None] = []
+    seen: set[int] = set()
+    for w in words:
+        ids = tokenizer.encode(w, add_special_tokens=False)
+        first = ids[0] if ids and tokenizer.decode(ids[:1]).strip() else None
+        if first in seen:
+            first = None
+        if first is not None:
+            seen.add(first)
+        out.append(first)
+    return out
 
 
 def cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, str | None]:
@@ -109,11 +154,6 @@ def cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, str | None]:
         return text, None
     i, s = best
     return text[: i + len(s)], s
-
-
-def decode_rule_p_tool(text: str) -> float:
-    """The published rule: a judge reply starting with "no" means tool-free (P(tool) = 0)."""
-    return 0.0 if text.strip().lower().startswith("no") else 1.0
 
 
 def per_item(call: Callable[[list], Sequence[Any]], items: list) -> list[Any]:

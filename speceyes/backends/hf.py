@@ -19,20 +19,19 @@ from typing import Any
 import numpy as np
 
 from speceyes.backends.base import (
-    FAMILIES,
+    MODEL_FAMILIES,
     BackendError,
-    JudgeMode,
     Messages,
-    answer_token_ids,
+    Scores,
     cut_at_stop,
-    decode_rule_p_tool,
+    first_token_ids,
     map_images,
+    view_geometry,
 )
 from speceyes.images import View, load_image, resize_for_model, view_for_model
 from speceyes.types import ChatTurn, SpecAnswer
 
 log = logging.getLogger(__name__)
-
 
 
 class ModelLoadError(ValueError):
@@ -87,13 +86,12 @@ class HFBackend:
                 f"could not load model {source!r}: not a local folder, and not reachable as a hub "
                 f"id ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
             ) from e
-        if config.model_type not in FAMILIES:
+        if config.model_type not in MODEL_FAMILIES:
             raise ModelLoadError(
                 f"{source}: model type {config.model_type!r} is not supported; "
-                f"speceyes runs {', '.join(FAMILIES)} checkpoints"
+                f"speceyes runs {', '.join(MODEL_FAMILIES)} checkpoints"
             )
         self.family = config.model_type
-        self.box_coords, default_factor = FAMILIES[self.family]
         kwargs: dict[str, Any] = {"dtype": dtype}
         if device_map is not None:
             kwargs["device_map"] = device_map
@@ -102,15 +100,13 @@ class HFBackend:
         self.model = AutoModelForImageTextToText.from_pretrained(source, **kwargs).eval()
 
         ip = self.image_processor
-        self.factor = int(getattr(ip, "patch_size", default_factor // 2)) * int(
-            getattr(ip, "merge_size", 2)
+        # The checkpoint's own processor config sets the geometry (unless limits are given).
+        self.box_coords, self.factor, self.min_pixels, self.max_pixels = view_geometry(
+            self.family, ip, min_pixels=min_pixels, max_pixels=max_pixels
         )
-        size = getattr(ip, "size", None) or {}
-        get = size.get if isinstance(size, dict) else lambda k, d=None: getattr(size, k, d)
-        self.min_pixels = min_pixels or get("shortest_edge") or 4 * self.factor**2
-        self.max_pixels = max_pixels or get("longest_edge") or 16384 * self.factor**2
         self.merge = int(getattr(ip, "merge_size", 2))
-        # In process: any number of images, and top-K over the whole vocabulary.
+        # In process: whole logit rows, any number of images, top-K over the whole vocabulary.
+        self.scores: Scores = "logits"
         self.max_images: int | None = None
         self.max_logprobs: int | None = None
 
@@ -130,7 +126,6 @@ class HFBackend:
         self.image_token = "<|image_pad|>"
         self.image_token_id = tok.convert_tokens_to_ids(self.image_token)
         self.eos_ids = self._eos_ids()
-        self.yes_ids, self.no_ids = answer_token_ids(self.tokenizer)
         # Generation is not re-entrant on one model; concurrent callers queue here.
         self._lock = threading.Lock()
 
@@ -233,36 +228,23 @@ class HFBackend:
         return out
 
     # ---- protocol -------------------------------------------------------------------------
-    def judge(self, batch: Sequence[Messages], mode: JudgeMode = "logit") -> list[float]:
-        if not batch:
-            return []
-        inputs = self._prepare(batch)
-        if mode == "decode":
-            out = self._generate(inputs, max_new_tokens=10)
-            gen = out.sequences[:, inputs["input_ids"].shape[1] :].tolist()
-            return [decode_rule_p_tool(self.tokenizer.decode(self._trim(g))) for g in gen]
-        if mode != "logit":
-            raise ValueError(f"unknown judge mode {mode!r}; use 'logit' or 'decode'")
-        if not self.yes_ids or not self.no_ids:
-            raise BackendError(f"{self.name}: tokenizer has no distinct yes/no tokens")
-        torch = self._torch
-        with self._lock, torch.inference_mode():
-            logits = self.model(**inputs).logits[:, -1, :].float()
-        probs = torch.softmax(logits, dim=-1)
-        p_yes = probs[:, self.yes_ids].sum(-1)
-        p_no = probs[:, self.no_ids].sum(-1)
-        return (p_yes / (p_yes + p_no).clamp_min(1e-30)).tolist()
-
-    def next_token_probs(self, batch: Sequence[Messages], words: Sequence[str]) -> np.ndarray:
-        """P(first token of each word) at the next position: [conversations, words], one step."""
+    def next_token_probs(
+        self, batch: Sequence[Messages], words: Sequence[str], top_logprobs: int | None = None
+    ) -> np.ndarray:
+        """P(first token of each word) at the next position: [conversations, words], one step
+        over the whole vocabulary (``top_logprobs`` does not apply)."""
         if not batch:
             return np.zeros((0, len(words)))
-        ids = [self.tokenizer.encode(w, add_special_tokens=False)[0] for w in words]
+        ids = first_token_ids(self.tokenizer, words)
         torch = self._torch
         inputs = self._prepare(batch)
         with self._lock, torch.inference_mode():
             logits = self.model(**inputs).logits[:, -1, :].float()
-        return torch.softmax(logits, dim=-1)[:, ids].cpu().numpy()
+        kept = [j for j, i in enumerate(ids) if i is not None]
+        probs = torch.softmax(logits, dim=-1)[:, [ids[j] for j in kept]].cpu().numpy()
+        out = np.zeros((len(batch), len(words)), dtype=probs.dtype)
+        out[:, kept] = probs
+        return out
 
     def answer(
         self, batch: Sequence[Messages], max_new_tokens: int = 20, top_k: int = 64

@@ -31,7 +31,7 @@ Known server differences (documented, handled here):
 * The API returns token strings, not ids: ``SpecAnswer.token_ids`` stays empty; the number of
   answer tokens is ``len(topk)``.
 * ``next_token_probs`` generates one token (``max_tokens=1``) with the server's whole cap of top
-  logprobs (``max_logprobs``). A word counts by the top token whose text is exactly the word, so
+  logprobs (``max_logprobs``), or fewer when asked (``top_logprobs``). A word counts by the top token whose text is exactly the word, so
   the words should be single tokens (yes, no, digits); a word outside the top logprobs gets 0:
   the mass beyond the cap is unknown, not spread over the words.
 """
@@ -55,14 +55,11 @@ import numpy as np
 from PIL import Image
 
 from speceyes.backends.base import (
-    FAMILIES,
-    NO_VARIANTS,
-    YES_VARIANTS,
     BackendError,
-    JudgeMode,
     Messages,
-    decode_rule_p_tool,
+    Scores,
     map_images,
+    view_geometry,
 )
 from speceyes.images import View, load_image, resize_for_model, to_data_uri, view_for_model
 from speceyes.types import ChatTurn, SpecAnswer
@@ -71,9 +68,6 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 Family = Literal["qwen2_5_vl", "qwen3_vl"]
-# The top-level judge tokens, compared after stripping (servers return token text).
-_YES = frozenset(v.strip() for v in YES_VARIANTS)
-_NO = frozenset(v.strip() for v in NO_VARIANTS)
 # Extra top logprobs requested (cap permitting) to make up for rows merged by token text.
 _LOGPROB_SLACK = 8
 _MAX_COOLDOWN = 30.0
@@ -122,16 +116,14 @@ class OpenAIBackend:
         urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
         if not urls:
             raise ValueError("base_urls is empty: give at least one http://host:port/v1 URL")
-        if family not in FAMILIES:
-            raise ValueError(f"unknown family {family!r}; use one of {', '.join(FAMILIES)}")
+        geometry = view_geometry(family, min_pixels=min_pixels, max_pixels=max_pixels)
         if max_retries < 0 or max_logprobs < 1 or max_concurrency < 1:
             raise ValueError("max_retries must be >= 0, max_logprobs and max_concurrency >= 1")
         self._openai = openai
         self.family = family
-        self.box_coords, self.factor = FAMILIES[family]
-        # DeepEyes defaults (4..16384 merged patches), scaled by the family's factor.
-        self.min_pixels = min_pixels or 4 * self.factor**2
-        self.max_pixels = max_pixels or 16384 * self.factor**2
+        # The family's defaults (DeepEyes' 4..16384 merged patches) unless limits are given.
+        self.box_coords, self.factor, self.min_pixels, self.max_pixels = geometry
+        self.scores: Scores = "logprobs"  # servers return top logprobs, never whole rows
         self.model = model
         self.name = name or model or urls[0]
         self._named = name is not None or model is not None
@@ -143,7 +135,6 @@ class OpenAIBackend:
         self.max_images = max_images
         self.extra_body = dict(extra_body or {})
         self.eos_tokens = tuple(eos_tokens)
-        self.judge_fallbacks = 0  # judgments with neither yes nor no among the top logprobs
         self._max_concurrency = max_concurrency
         self._api_key = api_key
         self._urls = urls
@@ -440,45 +431,13 @@ class OpenAIBackend:
         return row
 
     # ---- protocol -------------------------------------------------------------------------
-    def judge(self, batch: Sequence[Messages], mode: JudgeMode = "logit") -> list[float]:
-        if not batch:
-            return []
-        if mode == "decode":
-            resps = self._send(batch, "judge", max_tokens=10)
-            return [decode_rule_p_tool(r.choices[0].message.content or "") for r in resps]
-        if mode != "logit":
-            raise ValueError(f"unknown judge mode {mode!r}; use 'logit' or 'decode'")
-        n = min(20, self.max_logprobs)
-        resps = self._send(batch, "judge", max_tokens=1, logprobs=True, top_logprobs=n)
-        out = []
-        for r in resps:
-            content = self._content(r.choices[0])
-            self._require_logprobs(content, r.choices[0])
-            p_yes = p_no = 0.0
-            if content:
-                for t in content[0].top_logprobs or []:
-                    word = (t.token or "").strip()
-                    if word in _YES:
-                        p_yes += math.exp(_finite(t.logprob))
-                    elif word in _NO:
-                        p_no += math.exp(_finite(t.logprob))
-            if p_yes + p_no > 0:
-                out.append(p_yes / (p_yes + p_no))
-            else:
-                # Neither word in the top logprobs (or no token at all): undecided.
-                self.judge_fallbacks += 1
-                log.warning(
-                    "%s: judge saw neither yes nor no in the top %d; P(tool)=0.5", self.name, n
-                )
-                out.append(0.5)
-        return out
-
-    def next_token_probs(self, batch: Sequence[Messages], words: Sequence[str]) -> np.ndarray:
+    def next_token_probs(
+        self, batch: Sequence[Messages], words: Sequence[str], top_logprobs: int | None = None
+    ) -> np.ndarray:
         if not batch:
             return np.zeros((0, len(words)))
-        resps = self._send(
-            batch, "next token", max_tokens=1, logprobs=True, top_logprobs=self.max_logprobs
-        )
+        n = self.max_logprobs if top_logprobs is None else min(top_logprobs, self.max_logprobs)
+        resps = self._send(batch, "next token", max_tokens=1, logprobs=True, top_logprobs=n)
         out = np.zeros((len(batch), len(words)))
         for i, r in enumerate(resps):
             content = self._content(r.choices[0])
@@ -559,9 +518,6 @@ class OpenAIBackend:
         return best[1] if best else None
 
     # ---- async variants, for callers that run an event loop --------------------------------
-    async def ajudge(self, batch: Sequence[Messages], mode: JudgeMode = "logit") -> list[float]:
-        return await asyncio.to_thread(self.judge, batch, mode)
-
     async def aanswer(
         self, batch: Sequence[Messages], max_new_tokens: int = 20, top_k: int = 64
     ) -> list[SpecAnswer]:
@@ -577,13 +533,19 @@ def word_probs(top: Sequence[tuple[str, float]], words: Sequence[str]) -> np.nda
     """P(word) per word from one token's top ``(token text, logprob)`` pairs.
 
     A word takes the probability of the top token whose text equals it (the most probable one
-    if several do: servers that key by text merge them); a word not among them gets 0.
+    if several do: servers that key by text merge them); a word not among them, a blank word
+    and a repeat of an earlier word get 0 (each token counts once).
     """
     best: dict[str, float] = {}
     for text, lp in top:
         if lp > best.get(text, -math.inf):
             best[text] = lp
-    return np.array([math.exp(best[w]) if w in best else 0.0 for w in words])
+    out, seen = np.zeros(len(words)), set()
+    for j, w in enumerate(words):
+        if w in best and w.strip() and w not in seen:
+            out[j] = math.exp(best[w])
+        seen.add(w)
+    return out
 
 
 def _stop_loop(loop: asyncio.AbstractEventLoop) -> None:

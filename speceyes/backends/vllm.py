@@ -21,14 +21,13 @@ from typing import Any
 import numpy as np
 
 from speceyes.backends.base import (
-    FAMILIES,
     BackendError,
-    JudgeMode,
     Messages,
-    answer_token_ids,
+    Scores,
     cut_at_stop,
-    decode_rule_p_tool,
+    first_token_ids,
     map_images,
+    view_geometry,
 )
 from speceyes.images import View, load_image, resize_for_model, view_for_model
 from speceyes.types import ChatTurn, SpecAnswer
@@ -59,13 +58,12 @@ class VLLMBackend:
             from transformers import AutoConfig
 
             family = AutoConfig.from_pretrained(model).model_type
-        if family not in FAMILIES:
-            raise ValueError(f"unsupported model family {family!r}; use one of {list(FAMILIES)}")
+        self.box_coords, self.factor, self.min_pixels, self.max_pixels = view_geometry(
+            family, min_pixels=min_pixels, max_pixels=max_pixels
+        )
         self.name = name or model.rstrip("/").rsplit("/", 1)[-1]
         self.family = family
-        self.box_coords, self.factor = FAMILIES[family]
-        self.min_pixels = min_pixels or 4 * self.factor**2
-        self.max_pixels = max_pixels or 16384 * self.factor**2
+        self.scores: Scores = "logprobs"  # the engine's top logprobs, full-vocabulary normalised
         self.max_logprobs = max_logprobs
         self.max_images = max_images  # per prompt; agents that add images stay under it
         self.llm = LLM(
@@ -75,10 +73,7 @@ class VLLMBackend:
             mm_processor_kwargs={"min_pixels": self.min_pixels, "max_pixels": self.max_pixels},
             **engine_kwargs,
         )
-        tok = self.llm.get_tokenizer()
-        self.tokenizer = tok
-        yes, no = answer_token_ids(tok)
-        self.yes_ids, self.no_ids = set(yes), set(no)
+        self.tokenizer = self.llm.get_tokenizer()
 
     def view_of(self, image: Any) -> View:
         img = load_image(image)
@@ -105,25 +100,16 @@ class VLLMBackend:
             raise BackendError(f"{self.name}: vLLM generation failed: {e}") from e
         return out
 
-    def judge(self, batch: Sequence[Messages], mode: JudgeMode = "logit") -> list[float]:
-        from vllm import SamplingParams
-
-        if not batch:
-            return []
-        if mode == "decode":
-            outs = self._chat(batch, SamplingParams(temperature=0.0, max_tokens=10))
-            return [decode_rule_p_tool(o.outputs[0].text) for o in outs]
-        k = min(20, self.max_logprobs)
-        outs = self._chat(batch, SamplingParams(temperature=0.0, max_tokens=1, logprobs=k))
-        return [judge_p_tool(first_step(o), self.yes_ids, self.no_ids) for o in outs]
-
-    def next_token_probs(self, batch: Sequence[Messages], words: Sequence[str]) -> np.ndarray:
+    def next_token_probs(
+        self, batch: Sequence[Messages], words: Sequence[str], top_logprobs: int | None = None
+    ) -> np.ndarray:
         from vllm import SamplingParams
 
         if not batch:
             return np.zeros((0, len(words)))
-        ids = [self.tokenizer.encode(w, add_special_tokens=False)[0] for w in words]
-        params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=self.max_logprobs)
+        ids = first_token_ids(self.tokenizer, words)
+        k = self.max_logprobs if top_logprobs is None else min(top_logprobs, self.max_logprobs)
+        params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=k)
         return np.stack([token_probs(first_step(o), ids) for o in self._chat(batch, params)])
 
     def answer(
@@ -168,7 +154,6 @@ class VLLMBackend:
         return turns
 
 
-
 # ---- the engine's outputs, read without the engine ---------------------------------------------
 def engine_messages(
     messages: Messages, factor: int, min_pixels: int, max_pixels: int
@@ -188,17 +173,8 @@ def first_step(request_output: Any) -> Mapping[int, Any]:
     return logprobs[0] if logprobs else {}
 
 
-def judge_p_tool(
-    step: Mapping[int, Any], yes_ids: Collection[int], no_ids: Collection[int]
-) -> float:
-    """P(yes) / (P(yes) + P(no)) over one step's logprobs; 0.5 when neither is among them."""
-    yes = sum(math.exp(lp.logprob) for t, lp in step.items() if t in yes_ids)
-    no = sum(math.exp(lp.logprob) for t, lp in step.items() if t in no_ids)
-    return yes / (yes + no) if yes + no > 0 else 0.5
-
-
-def token_probs(step: Mapping[int, Any], ids: Sequence[int]) -> np.ndarray:
-    """P(token) per id from one step's logprobs; an id outside them gets 0 (mass unknown)."""
+def token_probs(step: Mapping[int, Any], ids: Sequence[int | None]) -> np.ndarray:
+    """P(token) per id from one step's logprobs; an id outside them (or None) gets 0."""
     return np.array([math.exp(step[i].logprob) if i in step else 0.0 for i in ids])
 
 

@@ -19,9 +19,9 @@ _SEARCH = registry.AGENTS["search"]
 
 def _per_protocol(read) -> str:
     """``fair 8; published: 6 deepeyes, 6 thyme`` for a loop setting ``read(LoopSettings)``."""
-    fair = read(protocols.loop_settings("fair"))
+    fair = read(protocols.FAIR.loop_settings())
     published = ", ".join(
-        f"{read(protocols.loop_settings('published', a))} {a}" for a in protocols.FAMILIES
+        f"{read(protocols.PUBLISHED.loop_settings(a))} {a}" for a in protocols.PUBLISHED_AGENTS
     )
     return f"fair {fair}; published: {published}"
 

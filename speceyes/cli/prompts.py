@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from speceyes.protocols import FAMILIES, PROTOCOLS
+from speceyes.protocols import PROTOCOLS, PUBLISHED_AGENTS
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -17,7 +17,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     pr.add_argument("--limit", type=int, default=1, help="first N queries (default 1)")
     pr.add_argument("--protocol", default="fair", choices=PROTOCOLS)
     # the agents whose prompts the published code has (the dump covers their first turns)
-    pr.add_argument("--agent", default=FAMILIES[0], choices=FAMILIES)
+    pr.add_argument("--agent", default=PUBLISHED_AGENTS[0], choices=PUBLISHED_AGENTS)
     pr.add_argument("--no-shuffle", action="store_true", help="V*: original option order")
     pr.add_argument("--seed", type=int, default=0, help="V*: option shuffle seed")
     pr.add_argument("--split", default=None, help="POPE split")

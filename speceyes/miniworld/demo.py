@@ -257,6 +257,7 @@ def warm_up(backends: dict[str, Any], data: Path) -> None:
     runs), and every image of the split read once (so no run pays cold disk reads)."""
     from speceyes import prompts
     from speceyes.images import load_image
+    from speceyes.judging import tool_probability
 
     rows = _read_rows(data / "questions.jsonl")
     for r in rows:
@@ -264,7 +265,7 @@ def warm_up(backends: dict[str, Any], data: Path) -> None:
     img = load_image(str(data / rows[0]["image"]))
     q = rows[0]["question"]
     if "large" in backends:
-        backends["large"].judge([prompts.judge_messages(img, q)])
+        tool_probability(backends["large"], [prompts.judge_messages(img, q)])
         backends["large"].answer([prompts.small_messages(img, q)], max_new_tokens=2)
     if "small" in backends:
         backends["small"].answer([prompts.small_messages(img, q)], max_new_tokens=2)
