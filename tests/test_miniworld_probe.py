@@ -26,3 +26,102 @@ def test_probe_reports_p_yes_per_depth_and_kind(tmp_path, capsys):
     assert cli_main(["miniworld", "probe", str(base), "--scenes", "1", "--threads", "1"]) == 0
     out = capsys.readouterr().out
     assert "| depth 1/yes |" in out and "mean P(yes)" in out
+
+
+# --- the position probe ----------------------------------------------------------------------
+
+
+def _turns_per_step(folder, axis: int):
+    """Angles (radians) by which each frequency pair of the model's own text rotary embedding
+    turns when only position component ``axis`` (0 t, 1 h, 2 w) steps from 0 to 1."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(folder)
+    rotary = model.model.language_model.rotary_emb
+    pos = torch.zeros(3, 1, 2, dtype=torch.long)
+    pos[axis, 0, 1] = 1
+    cos, sin = rotary(torch.zeros(1, 2, 8), pos)
+    half = cos.shape[-1] // 2
+    return torch.atan2(sin[0, 1, :half], cos[0, 1, :half]).double().numpy()
+
+
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl"])
+def test_section_frequencies_are_the_models_own(tmp_path, arch):
+    import json
+
+    import numpy as np
+
+    from speceyes.miniworld import position_probe as P
+
+    folder = M.build_base(tmp_path, "large", M.TINY, 0, arch)
+    config = json.loads((folder / "config.json").read_text())
+    freqs = P.section_frequencies(config)
+    for axis, name in enumerate("thw"):
+        turns = _turns_per_step(folder, axis)
+        mine = turns[np.abs(turns) > 1e-9]
+        assert np.allclose(np.sort(mine), np.sort(freqs[name]), rtol=1e-4), name
+    reach = P.rotary_reach(config, (7, 9))
+    assert reach["t"] == 0.0
+    assert reach["w"] == pytest.approx(8 * freqs["w"].max()) and reach["h"] > 0
+    if arch == "qwen2_5_vl":  # contiguous sections: width gets the slowest frequencies
+        assert freqs["w"].max() < freqs["h"].min()
+    else:  # interleaved: width gets fast ones too
+        assert freqs["w"].max() > freqs["h"].min()
+
+
+def test_rope_levers_rebuild_the_text_model(tmp_path):
+    import json
+
+    from speceyes.miniworld import position_probe as P
+
+    plain = P.build_probe_model(tmp_path / "plain", "qwen2_5_vl")
+    wide = P.build_probe_model(tmp_path / "wide", "qwen2_5_vl", rope_theta=1e4, head_dim=128)
+    cfg = json.loads((wide / "config.json").read_text())["text_config"]
+    base_cfg = json.loads((plain / "config.json").read_text())["text_config"]
+    assert cfg["hidden_size"] == base_cfg["hidden_size"] == 256
+    assert cfg["num_attention_heads"] == 2 and cfg["num_key_value_heads"] == 1
+    assert cfg["rope_parameters"]["rope_theta"] == 1e4
+    # The sections scale with the head: the real Qwen2.5-VL layout for 128-dim heads.
+    assert base_cfg["rope_parameters"]["mrope_section"] == [8, 12, 12]
+    assert cfg["rope_parameters"]["mrope_section"] == [16, 24, 24]
+    sizes = [sum(p.numel() for p in M.load_backend(f).model.parameters()) for f in (plain, wide)]
+    assert sizes[0] == sizes[1]
+    # Same sizes, other rotary base: the model's own rotary embedding follows the config.
+    turns = _turns_per_step(wide, 2)
+    assert turns.max() == pytest.approx(P.section_frequencies({"text_config": cfg})["w"].max())
+    sec = P.build_probe_model(tmp_path / "sec", "qwen3_vl", mrope_section=(16, 8, 8))
+    rope = json.loads((sec / "config.json").read_text())["text_config"]["rope_parameters"]
+    assert rope["mrope_section"] == [16, 8, 8] and rope["mrope_interleaved"]
+
+
+def test_position_probe_cli_on_a_fresh_architecture(tmp_path, capsys):
+    from speceyes.cli import main as cli_main
+    from speceyes.miniworld import position_probe as P
+
+    args = ["miniworld", "position-probe", "--arch", "qwen3_vl", "--scenes", "10"]
+    assert cli_main([*args, "--threads", "1", "--build-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "qwen3_vl: head size 64" in out and "left/right" in out
+    with pytest.raises(SystemExit):
+        P.model_folder(tmp_path / "nothing")
+    with pytest.raises(SystemExit):
+        P.main(["--arch", "qwen3_vl", str(tmp_path)])  # MODEL and --arch exclude each other
+
+
+def test_a_runs_role_folder_is_probed_through_its_stage_b_export(tmp_path):
+    import torch
+
+    from speceyes.miniworld import position_probe as P
+
+    role = tmp_path / "large"
+    base = M.build_base(role, "large", M.TINY, 0, "qwen3_vl")
+    trained = M.load_backend(base).model.state_dict()
+    key = next(k for k in trained if k.endswith("lm_head.weight"))
+    trained[key] = torch.ones_like(trained[key])  # what a stage-B step would have changed
+    (role / "stage_B").mkdir()
+    torch.save({"model": trained}, role / "stage_B" / "ckpt.pt")
+    folder = P.model_folder(role)
+    assert folder == role / "export"
+    assert torch.equal(M.load_backend(folder).model.state_dict()[key], trained[key])
+    assert P.model_folder(base) == base  # a model folder is used as it is

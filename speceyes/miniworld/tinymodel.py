@@ -9,6 +9,7 @@ import os
 import random
 import shutil
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -104,6 +105,53 @@ def build_base(
     cfg["size"] = {"shortest_edge": 4 * factor * factor, "longest_edge": VIEW_PIXELS[role]}
     cfg_path.write_text(json.dumps(cfg, indent=2))
     return base
+
+
+def rebuild_text_rope(
+    folder: Path,
+    seed: int,
+    rope_theta: float | None = None,
+    head_dim: int | None = None,
+    mrope_section: Sequence[int] | None = None,
+) -> Path:
+    """Rewrite a base folder's language-model rotary settings and re-initialise its weights
+    (same hidden size and parameter count; tokenizer and processor untouched): the levers of
+    position read-out. ``head_dim`` changes the number of heads (hidden // head_dim) and of
+    key-value heads (their width stays); the M-RoPE sections then scale with it unless
+    ``mrope_section`` (t, h, w) is given."""
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText, GenerationConfig
+
+    config = AutoConfig.from_pretrained(folder)
+    text = config.text_config
+    rope = dict(text.rope_parameters)
+    if rope_theta is not None:
+        rope["rope_theta"] = float(rope_theta)
+    if head_dim is not None:
+        old_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        heads = text.hidden_size // head_dim
+        if heads * head_dim != text.hidden_size:
+            raise ValueError(f"head_dim {head_dim} does not divide hidden {text.hidden_size}")
+        # Keys and values keep their width (kv heads x head size), so the parameters stay.
+        kv = max(1, text.num_key_value_heads * old_dim // head_dim)
+        if heads % kv:
+            raise ValueError(f"{heads} heads cannot share {kv} key-value heads")
+        text.num_attention_heads = heads
+        text.num_key_value_heads = kv
+        if hasattr(text, "head_dim"):
+            text.head_dim = head_dim
+        if mrope_section is None:
+            h, w = (round(s * head_dim / old_dim) for s in rope["mrope_section"][1:])
+            rope["mrope_section"] = [head_dim // 2 - h - w, h, w]
+    if mrope_section is not None:
+        rope["mrope_section"] = [int(s) for s in mrope_section]
+    text.rope_parameters = rope
+    generation = GenerationConfig.from_pretrained(folder)
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(config)
+    model.generation_config = generation
+    model.save_pretrained(folder)
+    return folder
 
 
 def load_backend(folder: Path):
