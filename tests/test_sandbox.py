@@ -24,6 +24,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -31,6 +32,7 @@ from PIL import Image
 
 from speceyes.agents._sandbox_worker import DENIED_IN_JOB, DENIED_SYSCALLS
 from speceyes.agents.sandbox import Sandbox, SandboxResult, SandboxStartupError
+from tests.test_images import _png_header_only, count_decodes
 
 REPO = Path(__file__).resolve().parents[1]
 SANDBOX_SOURCE = REPO / "speceyes" / "agents" / "sandbox.py"
@@ -898,3 +900,32 @@ def test_worker_enforces_its_own_wall_limit():
         elapsed = time.monotonic() - t0
     assert "time limit" in failed(res) and "wall clock" in res.error, res.error
     assert elapsed < 6, elapsed
+
+
+def test_returned_images_are_decoded_only_while_the_agent_has_room(tmp_path, monkeypatch):
+    """CodeAgent decodes no more returned images than it may still show, each one checked
+    against the pixel limit from its header first."""
+    from speceyes.agents.code import CodeAgent
+
+    decodes = count_decodes(monkeypatch)
+
+    paths = []
+    for i in range(5):
+        Image.new("RGB", (64, 64), (i, 0, 0)).save(tmp_path / f"crop{i}.png")
+        paths.append(str(tmp_path / f"crop{i}.png"))
+    bomb = tmp_path / "bomb.png"
+    bomb.write_bytes(_png_header_only(9400, 9400))
+    agent = SimpleNamespace(
+        backend=SimpleNamespace(factor=28, min_pixels=4 * 28 * 28, max_pixels=1280 * 28 * 28),
+        max_images=3,
+    )
+    images, problem = CodeAgent._images(agent, SimpleNamespace(images_shown=1, case_id="q"), paths)
+    assert problem is None and len(images) == 2
+    assert len(decodes) == 2  # room for two: the other three are never decoded
+    images, problem = CodeAgent._images(agent, SimpleNamespace(images_shown=3, case_id="q"), paths)
+    assert images == [] and "image limit reached" in problem
+    assert len(decodes) == 2
+    loop = SimpleNamespace(images_shown=0, case_id="q")
+    images, problem = CodeAgent._images(agent, loop, [str(bomb)] * 32)
+    assert images == [] and "too large to decode" in problem, problem
+    assert len(decodes) == 2  # refused on its header
