@@ -25,6 +25,7 @@ __all__ = [
     "BoxError",
     "Coords",
     "ImageError",
+    "ImageHeader",
     "View",
     "box_to_original",
     "checked_crop_box",
@@ -33,6 +34,7 @@ __all__ = [
     "image_from_data_uri",
     "load_image",
     "parse_box",
+    "read_header",
     "resize_for_model",
     "smart_resize",
     "to_data_uri",
@@ -102,33 +104,138 @@ def _decode_data_uri(uri: str) -> bytes:
 
 
 _EXIF_ORIENTATION = 0x0112
+_HIGH_BIT_MODES = ("I", "I;16", "I;16B", "I;16L", "I;16N", "F")
+# Pixels per row strip of the high-bit-depth conversion: its float64 scratch stays ~8 MB.
+_STRIP_PIXELS = 1 << 20
 
 
-def _to_rgb(img: Image.Image) -> Image.Image:
-    """Upright RGB copy; transparency is composited on white like qwen-vl-utils/transformers."""
-    img = ImageOps.exif_transpose(img)  # a copy, rotated when EXIF says so
-    has_alpha = "A" in img.getbands() or (img.mode == "P" and "transparency" in img.info)
-    if has_alpha:
-        rgba = img.convert("RGBA")
+def _has_alpha(img: Image.Image) -> bool:
+    return "A" in img.getbands() or (img.mode == "P" and "transparency" in img.info)
+
+
+def _to_rgb(img: Image.Image, owned: bool = False) -> Image.Image:
+    """Upright RGB copy; transparency is composited on white like qwen-vl-utils/transformers.
+
+    ``owned``: ``img`` is ours (opened from encoded data) and is rotated in place rather than
+    copied first. ``ImageHeader.decode_bytes`` models what this holds at its peak.
+    """
+    if owned:
+        ImageOps.exif_transpose(img, in_place=True)
+    else:
+        img = ImageOps.exif_transpose(img)  # a copy, rotated when EXIF says so
+    if _has_alpha(img):
+        rgba = img if img.mode == "RGBA" else img.convert("RGBA")
         out = Image.new("RGB", rgba.size, (255, 255, 255))
         out.paste(rgba, mask=rgba.getchannel("A"))
         return out
-    if img.mode in ("I", "I;16", "I;16B", "I;16L", "I;16N", "F"):
+    if img.mode in _HIGH_BIT_MODES:
         # PIL's direct RGB conversion clips high-bit-depth data to 255; scale to 8 bits instead.
-        arr = np.asarray(img, dtype=np.float64)
-        hi = float(arr.max()) if arr.size else 0.0
-        arr = arr / hi * 255.0 if hi > 255.0 else arr
-        return Image.fromarray(np.clip(arr, 0, 255).astype(np.uint8), "L").convert("RGB")
+        return _high_bit_to_gray(img).convert("RGB")
     return img.convert("RGB")  # also a copy when already RGB
 
 
-def _finish(img: Image.Image, name: str) -> Image.Image:
+def _high_bit_to_gray(img: Image.Image) -> Image.Image:
+    """8-bit gray of a 16/32-bit or float image, scaled by its maximum when that is over 255.
+
+    Row strip by row strip: the same float64 arithmetic as on the whole array (identical
+    pixels), but the float copies cost ~8 MB, not 8 bytes per pixel several times over.
+    """
+    w, h = img.size
+    rows = max(1, _STRIP_PIXELS // max(w, 1))
+    starts = range(0, h, rows)
+
+    def strip(y: int) -> np.ndarray:
+        return np.asarray(img.crop((0, y, w, min(y + rows, h))), dtype=np.float64)
+
+    # np.max propagates NaN like the whole array's max (a NaN maximum leaves values as they are)
+    hi = float(np.max([strip(y).max() for y in starts])) if w and h else 0.0
+    out = np.empty((h, w), dtype=np.uint8)
+    for y in starts:
+        arr = strip(y)
+        arr = arr / hi * 255.0 if hi > 255.0 else arr
+        out[y : y + rows] = np.clip(arr, 0, 255).astype(np.uint8)
+    return Image.fromarray(out, "L")
+
+
+def _stored_bytes(mode: str) -> int:
+    """Bytes per pixel PIL holds for ``mode`` (bands of 8 bits take 4 bytes, RGB included)."""
+    if mode in ("1", "L", "P"):
+        return 1
+    if mode.startswith("I;16"):
+        return 2
+    return 4
+
+
+@dataclass(frozen=True)
+class ImageHeader:
+    """What an image's header says: size and mode, known before any pixel is decoded."""
+
+    width: int
+    height: int
+    mode: str
+    has_alpha: bool = False
+
+    @property
+    def pixels(self) -> int:
+        return self.width * self.height
+
+    @property
+    def decode_bytes(self) -> int:
+        """The most memory ``load_image`` holds decoding it: the decoded pixels, a rotated
+        copy (EXIF orientation), the conversion's intermediate and the RGB result."""
+        stored = _stored_bytes(self.mode)
+        if self.has_alpha:
+            between = (0 if self.mode == "RGBA" else 4) + 1  # the RGBA copy and its alpha mask
+        elif self.mode in _HIGH_BIT_MODES:
+            between = 1  # the 8-bit gray image (the float scratch is a bounded strip)
+        else:
+            between = 0
+        return self.pixels * (2 * stored + between + _stored_bytes("RGB"))
+
+    @property
+    def cost(self) -> int:
+        """What the pixel limits charge (``limits.MAX_IMAGE_PIXELS``, the server's budget):
+        the pixels, or more where the mode's decode holds more memory than an RGB image of
+        as many pixels does (alpha, 32-bit and float modes)."""
+        rgb = _RGB_DECODE_BYTES_PER_PIXEL
+        return max(self.pixels, (self.decode_bytes + rgb - 1) // rgb)
+
+
+_RGB_DECODE_BYTES_PER_PIXEL = ImageHeader(1, 1, "RGB").decode_bytes
+
+
+def _header(img: Image.Image) -> ImageHeader:
+    return ImageHeader(img.width, img.height, img.mode, _has_alpha(img))
+
+
+def _check_header(
+    header: ImageHeader, name: str, max_pixels: int | None, max_ratio: float | None
+) -> None:
+    """Refuse, before decoding, an image over ``max_pixels`` (charged by ``cost``) or more
+    elongated than ``max_ratio`` (no model's smart_resize accepts it)."""
+    w, h = header.width, header.height
+    if max_ratio is not None and w > 0 and h > 0 and max(w, h) / min(w, h) > max_ratio:
+        raise ImageError(
+            f"{name}: image is {w}x{h}, an aspect ratio of {max(w, h) / min(w, h):g}; "
+            f"images are resized for the model only up to {max_ratio:g}"
+        )
+    if max_pixels is not None and header.cost > max_pixels:
+        heavier = f", counted as {header.cost} for its {header.mode} mode" * (
+            header.cost > header.pixels
+        )
+        raise ImageError(
+            f"{name}: image is too large to decode: {w}x{h} = {header.pixels} pixels{heavier}; "
+            f"at most {max_pixels} are allowed"
+        )
+
+
+def _finish(img: Image.Image, name: str, owned: bool = False) -> Image.Image:
     """Fully decode, validate size, convert; every PIL failure becomes an ImageError."""
     try:
         img.load()  # force a full decode so truncated/corrupt data fails here, not later
         if img.width == 0 or img.height == 0:
             raise ImageError(f"{name}: image has zero size ({img.width}x{img.height})")
-        return _to_rgb(img)
+        return _to_rgb(img, owned)
     except ImageError:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
@@ -143,16 +250,22 @@ def _bomb(name: str, e: Exception) -> ImageError:
     )
 
 
-def _open(fp: str | os.PathLike[str] | io.BytesIO, name: str) -> Image.Image:
-    """Open and decode with the decompression-bomb warning promoted to an error."""
+def _open(
+    fp: str | os.PathLike[str] | io.BytesIO,
+    name: str,
+    max_pixels: int | None = None,
+    max_ratio: float | None = None,
+) -> Image.Image:
+    """Open, check the header, decode; the decompression-bomb warning is an error."""
     # Note: catch_warnings swaps process-wide filters (not thread-safe before Python 3.14's
     # context-aware warnings); another thread loading at the same moment may see them too.
     with warnings.catch_warnings():
         # Keep PIL's bomb check, but as an ImageError instead of a stray warning.
         warnings.simplefilter("error", Image.DecompressionBombWarning)
         try:
-            with Image.open(fp) as img:
-                return _finish(img, name)
+            with Image.open(fp) as img:  # reads the header only
+                _check_header(_header(img), name, max_pixels, max_ratio)
+                return _finish(img, name, owned=True)
         except ImageError:
             raise
         except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
@@ -164,17 +277,27 @@ def _open(fp: str | os.PathLike[str] | io.BytesIO, name: str) -> Image.Image:
 
 
 def load_image(
-    src: str | os.PathLike[str] | bytes | bytearray | Image.Image, *, copy: bool = True
+    src: str | os.PathLike[str] | bytes | bytearray | Image.Image,
+    *,
+    copy: bool = True,
+    max_pixels: int | None = None,
+    max_ratio: float | None = MAX_RATIO,
 ) -> Image.Image:
     """Load `src` (path, raw bytes, `data:image/...;base64,...` URI, PIL image) as loaded RGB.
 
     EXIF orientation is applied and the result is a new image, safe to mutate. With
     ``copy=False`` an already upright, loaded RGB PIL image is returned as it is: the hot path
     passes the same image through every phase and never mutates it.
+
+    Checked from the header, before anything is decoded: ``max_pixels`` (``None``: only PIL's
+    decompression-bomb limit; untrusted images get ``limits.MAX_IMAGE_PIXELS``), charged as
+    ``ImageHeader.cost``, and ``max_ratio``, the longer side over the shorter (default: the
+    most any model's smart_resize takes; ``None``: not checked).
     Raises ImageError with the source named in the message.
     """
     name = _describe(src)
     if isinstance(src, Image.Image):
+        _check_header(_header(src), name, None, max_ratio)  # decoded already: shape only
         if (
             not copy
             and src.mode == "RGB"
@@ -185,15 +308,21 @@ def load_image(
         ):
             return src
         return _finish(src, name)
+    fp, name = _encoded(src, name)
+    return _open(fp, name, max_pixels, max_ratio)
+
+
+def _encoded(src: object, name: str) -> tuple[io.BytesIO | Path, str]:
+    """The encoded image of a bytes, data URI or path source, and the name errors give it."""
     if isinstance(src, (bytes, bytearray, memoryview)):
         if len(src) == 0:
             raise ImageError(f"{name}: no image data (empty)")
-        return _open(io.BytesIO(bytes(src)), name)
+        return io.BytesIO(bytes(src)), name
     if isinstance(src, str) and src.startswith("data:"):
         data = _decode_data_uri(src)
         if not data:
             raise ImageError(f"{name}: data URI has an empty payload")
-        return _open(io.BytesIO(data), name)
+        return io.BytesIO(data), name
     if isinstance(src, str) and src.startswith(("http://", "https://")):
         raise ImageError(f"{src}: URLs are not supported, download the image first")
     if isinstance(src, (str, os.PathLike)):
@@ -211,11 +340,31 @@ def load_image(
             raise ImageError(f"{path}: cannot stat image file ({e})") from e
         if size == 0:
             raise ImageError(f"{path}: image file is empty (0 bytes)")
-        return _open(path, str(path))
+        return path, str(path)
     raise ImageError(
         f"unsupported image source: {name} "
         "(expected a path, bytes, a data:image/... URI or a PIL image)"
     )
+
+
+def read_header(src: str | os.PathLike[str] | bytes | bytearray) -> ImageHeader:
+    """The header of an encoded image (path, bytes or data URI): no pixel is decoded.
+
+    Raises ImageError when there is no readable header, or past PIL's decompression-bomb
+    limit (such an image is refused by every limit anyway).
+    """
+    fp, name = _encoded(src, _describe(src))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        try:
+            with Image.open(fp) as img:
+                return _header(img)
+        except Image.DecompressionBombError as e:
+            raise _bomb(name, e) from e
+        except Image.UnidentifiedImageError as e:
+            raise ImageError(f"{name}: not an image file (unrecognized format)") from e
+        except Exception as e:  # OSError (permissions...), SyntaxError from plugins
+            raise ImageError(f"{name}: cannot open image ({e})") from e
 
 
 def to_data_uri(image: Image.Image, fmt: str = "PNG") -> str:

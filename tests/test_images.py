@@ -5,16 +5,22 @@ from __future__ import annotations
 import io
 import math
 import random
+import struct
+import subprocess
 import sys
 import warnings
+import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
-from PIL import Image, ImageDraw
+from PIL import Image, ImageDraw, ImageFile
 
+from speceyes import limits
 from speceyes.images import (
     BoxError,
     ImageError,
+    ImageHeader,
     View,
     box_to_original,
     checked_crop_box,
@@ -23,6 +29,7 @@ from speceyes.images import (
     image_from_data_uri,
     load_image,
     parse_box,
+    read_header,
     resize_for_model,
     smart_resize,
     to_data_uri,
@@ -273,6 +280,165 @@ def test_decompression_bomb_is_image_error(monkeypatch, tmp_path) -> None:
         load_image(p)
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 10_000)
     assert load_image(p).size == (30, 30)
+
+
+# ---------------------------------------------------------------------------------------------
+# limits read from the header, before decoding
+
+
+def _png_header_only(width: int, height: int) -> bytes:
+    """A PNG whose header says width x height RGB, with (almost) no pixel data behind it."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        body = kind + data
+        return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    idat = zlib.compress(b"\0" * (1 + 3 * width))  # one row
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")
+
+
+def count_decodes(monkeypatch) -> list[int]:
+    """A list that gets an item per pixel decode (ImageFile.load) from now on."""
+    calls: list[int] = []
+    real = ImageFile.ImageFile.load
+
+    def counting(self):
+        if self.tile:  # pixels still to decode (later calls of a loaded image return at once)
+            calls.append(1)
+        return real(self)
+
+    monkeypatch.setattr(ImageFile.ImageFile, "load", counting)
+    return calls
+
+
+@pytest.fixture()
+def decodes(monkeypatch) -> list[int]:
+    return count_decodes(monkeypatch)
+
+
+def test_pixel_limit_is_checked_from_the_header_before_decoding(tmp_path, decodes) -> None:
+    bomb = tmp_path / "bomb.png"  # 9400x9400: 257 KB as a real PNG, 1 GB to decode
+    bomb.write_bytes(_png_header_only(9400, 9400))
+    with pytest.raises(ImageError, match="too large to decode") as ei:
+        load_image(bomb, max_pixels=limits.MAX_IMAGE_PIXELS)
+    assert "bomb.png" in str(ei.value) and "88360000 pixels" in str(ei.value)
+    with pytest.raises(ImageError, match="too large to decode"):
+        load_image(bomb.read_bytes(), max_pixels=limits.MAX_IMAGE_PIXELS)
+    assert decodes == []  # refused on the header alone
+    assert read_header(bomb) == ImageHeader(9400, 9400, "RGB")
+    assert decodes == []
+    # Within the limit: decoded as before.
+    Image.new("RGB", (300, 200), (1, 2, 3)).save(tmp_path / "ok.png")
+    assert load_image(tmp_path / "ok.png", max_pixels=60_000).getpixel((0, 0)) == (1, 2, 3)
+    with pytest.raises(ImageError, match="60000 pixels; at most 59999"):
+        load_image(tmp_path / "ok.png", max_pixels=59_999)
+
+
+def test_pixel_limit_charges_modes_by_what_their_decode_holds(tmp_path) -> None:
+    """Modes whose decode holds more memory than RGB's are charged more pixels; none less."""
+    rgb = ImageHeader(100, 100, "RGB")
+    assert rgb.cost == rgb.pixels == 10_000
+    for mode in ("1", "L", "P", "I;16", "CMYK"):
+        assert ImageHeader(100, 100, mode).cost == 10_000, mode
+    heavier = {m: ImageHeader(100, 100, m, has_alpha="A" in m) for m in ("I", "F", "RGBA", "LA")}
+    for mode, header in heavier.items():
+        assert header.cost > 10_000, mode
+        assert header.cost * rgb.decode_bytes >= header.decode_bytes * rgb.pixels, mode
+    Image.new("RGBA", (100, 100)).save(tmp_path / "rgba.png")
+    Image.new("RGB", (100, 100)).save(tmp_path / "rgb.png")
+    assert read_header(tmp_path / "rgba.png").cost == heavier["RGBA"].cost
+    assert load_image(tmp_path / "rgb.png", max_pixels=10_000).size == (100, 100)
+    with pytest.raises(ImageError, match="counted as .* for its RGBA mode"):
+        load_image(tmp_path / "rgba.png", max_pixels=10_000)
+
+
+def test_extreme_aspect_ratio_is_an_image_error(tmp_path, decodes) -> None:
+    """A 1x30000 image can be shown to no model: a clear ImageError when loaded."""
+    Image.new("L", (1, 30000)).save(tmp_path / "thin.png")
+    with pytest.raises(ImageError, match="thin.png: image is 1x30000, an aspect ratio of 30000"):
+        load_image(tmp_path / "thin.png")
+    assert decodes == []
+    with pytest.raises(ImageError, match="aspect ratio"):
+        load_image(Image.new("RGB", (2010, 10)), copy=False)
+    assert load_image(tmp_path / "thin.png", max_ratio=None).size == (1, 30000)
+    assert load_image(Image.new("RGB", (28 * 200, 28))).size == (5600, 28)  # 200 is allowed
+
+
+def _old_high_bit_to_rgb(img: Image.Image) -> Image.Image:
+    """The whole-array float64 conversion the strips must reproduce pixel for pixel."""
+    arr = np.asarray(img, dtype=np.float64)
+    hi = float(arr.max()) if arr.size else 0.0
+    arr = arr / hi * 255.0 if hi > 255.0 else arr
+    return Image.fromarray(np.clip(arr, 0, 255).astype(np.uint8), "L").convert("RGB")
+
+
+def test_high_bit_depth_conversion_in_strips_matches_whole_array(monkeypatch) -> None:
+    import speceyes.images as images
+
+    monkeypatch.setattr(images, "_STRIP_PIXELS", 37 * 3)  # several strips, a short last one
+    rng = np.random.default_rng(3)
+    f32 = (rng.standard_normal((41, 37)) * 300).astype(np.float32)
+    f32[5, 5], f32[6, 6] = np.inf, -1e38
+    nan = f32.copy()
+    nan[7, 7] = np.nan
+    cases = [
+        Image.fromarray(rng.integers(0, 65536, (41, 37), dtype=np.uint16)),
+        Image.fromarray(rng.integers(0, 200, (41, 37), dtype=np.uint16)),  # max <= 255
+        Image.fromarray(rng.integers(-5, 1 << 20, (41, 37), dtype=np.int32)),
+        Image.fromarray(f32),
+        Image.fromarray(nan),
+    ]
+    with np.errstate(invalid="ignore"):  # inf / inf and NaN casts, as before
+        for img in cases:
+            want = np.asarray(_old_high_bit_to_rgb(img))
+            assert np.array_equal(np.asarray(load_image(img)), want), img.mode
+
+
+MEASURE = """
+import resource, sys
+from speceyes.images import load_image
+data = open(sys.argv[1], "rb").read()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+load_image(data)
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
+"""
+
+
+def _peak_decode_bytes(path: Path) -> int:
+    """Peak memory a fresh process adds while load_image decodes ``path``."""
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run(
+        [sys.executable, "-c", MEASURE, str(path)], capture_output=True, text=True, cwd=root,
+        check=True,
+    )  # fmt: skip
+    return int(out.stdout)
+
+
+@pytest.mark.slow
+def test_decode_memory_stays_within_what_the_limits_charge(tmp_path) -> None:
+    """The pixel limits charge ``cost`` pixels; no mode may decode to much more memory per
+    charged pixel than RGB does (16-bit images used to take 1.8x RGB's, through float64)."""
+    side = 1500
+    rng = np.random.default_rng(0)
+    images = {
+        "RGB": Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8)),
+        "I;16": Image.fromarray(rng.integers(0, 65536, (side, side), dtype=np.uint16)),
+        "F": Image.fromarray(rng.random((side, side), dtype=np.float32) * 1000),
+        "RGBA": Image.fromarray(rng.integers(0, 256, (side, side, 4), dtype=np.uint8)),
+        "L": Image.fromarray(rng.integers(0, 256, (side, side), dtype=np.uint8)),
+    }
+    per_charged_pixel = {}
+    for mode, img in images.items():
+        path = tmp_path / f"{mode.replace(';', '')}.{'tiff' if mode == 'F' else 'png'}"
+        img.save(path)
+        header = read_header(path)
+        assert header.mode == mode
+        peak = _peak_decode_bytes(path)
+        assert peak <= 1.1 * header.decode_bytes, (mode, peak, header.decode_bytes)
+        per_charged_pixel[mode] = peak / header.cost
+    for cost in per_charged_pixel.values():
+        assert cost <= 1.15 * per_charged_pixel["RGB"], per_charged_pixel
 
 
 # ---------------------------------------------------------------------------------------------

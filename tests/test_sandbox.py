@@ -24,13 +24,15 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from PIL import Image
 
-from speceyes.agents._sandbox_worker import DENIED_SYSCALLS
+from speceyes.agents._sandbox_worker import DENIED_IN_JOB, DENIED_SYSCALLS
 from speceyes.agents.sandbox import Sandbox, SandboxResult, SandboxStartupError
+from tests.test_images import _png_header_only, count_decodes
 
 REPO = Path(__file__).resolve().parents[1]
 SANDBOX_SOURCE = REPO / "speceyes" / "agents" / "sandbox.py"
@@ -779,3 +781,151 @@ def test_forged_lone_surrogates_are_replaced(sb):
     res = sb.run(FORGE + f"forge({frame!r})\n")
     assert res.ok and res.stdout.replace("\ufffd", "") == "ab" and "\ufffd" in res.stdout, res
     res.stdout.encode("utf-8")  # valid text for any tokenizer
+
+
+# --------------------------------------------------------------------------- host resources
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_copy_back_holds_one_file_descriptor_at_a_time(monkeypatch):
+    """Thousands of planted image-looking files: the host opens them one at a time (a planted
+    file per fd would exhaust the host's descriptors and fail its other work with EMFILE)."""
+    code = (
+        "for i in range(3000):\n"
+        "    open('f%04d.png' % i, 'wb').write(b'\\x89PNG\\r\\n\\x1a\\n' + bytes(8))\n"
+    )
+    peak = [0]
+    real_open = os.open
+
+    def counting_open(*args, **kwargs):
+        peak[0] = max(peak[0], _open_fds())
+        return real_open(*args, **kwargs)
+
+    with Sandbox(pool_size=0, cpu_seconds=10, wall_seconds=30) as sandbox:
+        baseline = _open_fds()
+        monkeypatch.setattr(os, "open", counting_open)
+        res = sandbox.run(code)
+        monkeypatch.undo()
+        assert res.ok, res.error
+        assert len(res.images) == 32  # the first MAX_IMAGES by mtime, as before
+        assert peak[0] - baseline <= 8, (baseline, peak[0])
+        res.discard()
+
+
+HOST_THAT_DIES = """
+import os, sys, threading, time
+from speceyes.agents.sandbox import Sandbox
+code = sys.argv[1]
+sb = Sandbox(pool_size=0, cpu_seconds=5, wall_seconds=120)
+threading.Thread(target=sb.run, args=(code,), daemon=True).start()
+while True:  # wait until the code has run its prctl and written its marker
+    for w in list(sb._workers):
+        try:
+            marker = open(f"/proc/{w.pid}/root/started").read()
+        except OSError:
+            continue
+        print(w.pid, marker, flush=True)
+        time.sleep(120)
+    time.sleep(0.05)
+"""
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")  # zombie: dead
+    except OSError:
+        return True
+
+
+@pytest.mark.skipif(not SYSCALLS, reason="no syscall table for this architecture")
+def test_worker_dies_with_a_killed_host():
+    """The code clears its parent-death signal and sleeps; the host is SIGKILLed."""
+    code = LIBC + (
+        "r = libc.prctl(1, 0, 0, 0, 0)\n"  # PR_SET_PDEATHSIG = 0
+        "OS['write'](OS['open']('started', 0o101), str(r).encode())\n"  # O_WRONLY | O_CREAT
+        "real_import('time').sleep(100)\n"
+    )
+    host = subprocess.Popen(
+        [sys.executable, "-c", HOST_THAT_DIES, code],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+    )
+    worker = None
+    try:
+        line = host.stdout.readline().split()
+        assert line, "the host never saw its worker start"
+        worker, prctl_result = int(line[0]), line[1]
+        host.kill()
+        host.wait()
+        deadline = time.monotonic() + 5
+        while not _gone(worker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _gone(worker), "the worker outlived its SIGKILLed host"
+        assert prctl_result == "-1"  # clearing the parent-death signal was refused
+    finally:
+        host.kill()
+        if worker is not None and not _gone(worker):
+            os.kill(worker, 9)
+
+
+@pytest.mark.skipif(not SYSCALLS, reason="no syscall table for this architecture")
+def test_worker_enforces_its_own_wall_limit():
+    """Past its own wall limit the worker is killed by a timer the code cannot disarm, even
+    when the host does not kill it (here: the host's limit is far away)."""
+    numbers = DENIED_IN_JOB[os.uname().machine]
+    disarm = LIBC + (
+        "sig = real_import('signal')\n"
+        "sig.setitimer(sig.ITIMER_REAL, 0)\n"
+        "sig.pthread_sigmask(sig.SIG_BLOCK, sig.valid_signals())\n"
+        "zero = ct.create_string_buffer(32)\n"  # struct itimerspec of zeros: disarm
+        "tried = []\n"
+        "for timer in range(4):\n"  # -errno of each call; the job's timer is among them
+        f"    libc.syscall({numbers['timer_settime']}, timer, 0, zero, None)\n"
+        "    tried.append(-ct.get_errno())\n"
+        f"    libc.syscall({numbers['timer_delete']}, timer)\n"
+        "    tried.append(-ct.get_errno())\n"
+        "print(tried)\n"
+    )
+    with Sandbox(pool_size=0, cpu_seconds=5, wall_seconds=12) as sandbox:
+        res = sandbox.run(disarm)
+        assert res.ok and res.stdout == str([-1] * 8) + "\n", res  # all EPERM
+        sandbox._cfg["worker_wall_seconds"] = 1.0  # the worker's limit, normally wall + grace
+        t0 = time.monotonic()
+        res = sandbox.run(disarm + "real_import('time').sleep(60)\n")
+        elapsed = time.monotonic() - t0
+    assert "time limit" in failed(res) and "wall clock" in res.error, res.error
+    assert elapsed < 6, elapsed
+
+
+def test_returned_images_are_decoded_only_while_the_agent_has_room(tmp_path, monkeypatch):
+    """CodeAgent decodes no more returned images than it may still show, each one checked
+    against the pixel limit from its header first."""
+    from speceyes.agents.code import CodeAgent
+
+    decodes = count_decodes(monkeypatch)
+
+    paths = []
+    for i in range(5):
+        Image.new("RGB", (64, 64), (i, 0, 0)).save(tmp_path / f"crop{i}.png")
+        paths.append(str(tmp_path / f"crop{i}.png"))
+    bomb = tmp_path / "bomb.png"
+    bomb.write_bytes(_png_header_only(9400, 9400))
+    agent = SimpleNamespace(
+        backend=SimpleNamespace(factor=28, min_pixels=4 * 28 * 28, max_pixels=1280 * 28 * 28),
+        max_images=3,
+    )
+    images, problem = CodeAgent._images(agent, SimpleNamespace(images_shown=1, case_id="q"), paths)
+    assert problem is None and len(images) == 2
+    assert len(decodes) == 2  # room for two: the other three are never decoded
+    images, problem = CodeAgent._images(agent, SimpleNamespace(images_shown=3, case_id="q"), paths)
+    assert images == [] and "image limit reached" in problem
+    assert len(decodes) == 2
+    loop = SimpleNamespace(images_shown=0, case_id="q")
+    images, problem = CodeAgent._images(agent, loop, [str(bomb)] * 32)
+    assert images == [] and "too large to decode" in problem, problem
+    assert len(decodes) == 2  # refused on its header

@@ -18,14 +18,17 @@ Life cycle (everything before step 8 happens before the job is known):
 4. drop privileges to a dedicated unprivileged uid/gid (root only), set no_new_privs and
    the parent-death signal;
 5. set rlimits (address space, file size, open files, processes = 0, core = 0, stack), having
-   joined a fresh empty session keyring before the uid drop, then install a seccomp filter
-   that denies the keyring, SysV shm/msg/sem and memfd (memory RLIMIT_AS does not count),
-   and the syscalls that could undo the isolation;
+   joined a fresh empty session keyring before the uid drop, create (unarmed) the job's
+   wall-clock timer, then install a seccomp filter that denies the keyring, SysV
+   shm/msg/sem and memfd (memory RLIMIT_AS does not count), exec, clearing the parent-death
+   signal, and the syscalls that could undo the isolation;
 6. move the protocol pipe away from fd 1 (fd 1 and 2 then both go to the host's capped
    stderr drain) and answer ``ready`` to the host;
 7. wait on stdin for the job (4-byte big-endian length + JSON);
-8. set the CPU limit, run the code with a restricted ``__builtins__`` (import whitelist,
-   path-checked ``open``) and ``sys.stdout``/``sys.stderr`` captured in a bounded buffer;
+8. arm the wall-clock timer (SIGKILL after ``worker_wall_seconds``; a second seccomp filter
+   then forbids disarming it), set the CPU limit, run the code with a restricted
+   ``__builtins__`` (import whitelist, path-checked ``open``) and ``sys.stdout``/``sys.stderr``
+   captured in a bounded buffer;
 9. answer the result frame, then block on stdin until the host (which copies the saved
    images out through ``/proc/<pid>/root``) kills the process group.
 
@@ -102,11 +105,31 @@ _DENIED = {  # name: (x86_64 number, aarch64 number)
     "kexec_load": (246, 104),
     "init_module": (175, 105),
     "finit_module": (313, 273),
+    # exec would drop the job's wall-clock timer (POSIX timers do not survive it); nothing in
+    # the worker needs it once started.
+    "execve": (59, 221),
+    "execveat": (322, 281),
 }  # fmt: skip
+# Denied only with this first argument: prctl(PR_SET_PDEATHSIG, ...) would let the code clear
+# its parent-death signal and outlive a killed host.
+_DENIED_WITH_ARG0 = {"prctl": ((157, 167), PR_SET_PDEATHSIG)}  # fmt: skip
+# Denied from the start of the job: disarming or deleting the job's wall-clock timer.
+_DENIED_IN_JOB = {"timer_settime": (223, 110), "timer_delete": (226, 111)}  # fmt: skip
+_ARCHES = ("x86_64", "aarch64")
 DENIED_SYSCALLS = {
-    arch: {name: numbers[i] for name, numbers in _DENIED.items()}
-    for i, arch in enumerate(("x86_64", "aarch64"))
+    arch: {name: numbers[i] for name, numbers in _DENIED.items()} for i, arch in enumerate(_ARCHES)
 }
+DENIED_WITH_ARG0 = {
+    arch: {name: (nrs[i], arg0) for name, (nrs, arg0) in _DENIED_WITH_ARG0.items()}
+    for i, arch in enumerate(_ARCHES)
+}
+DENIED_IN_JOB = {
+    arch: {name: numbers[i] for name, numbers in _DENIED_IN_JOB.items()}
+    for i, arch in enumerate(_ARCHES)
+}
+TIMER_CREATE = {"x86_64": 222, "aarch64": 107}
+CLOCK_MONOTONIC = 1
+SIGEV_SIGNAL = 0
 X32_SYSCALL_BIT = 0x40000000  # x86_64's x32 ABI: a second numbering, denied as a whole
 
 CODE_FILENAME = "<sandbox>"
@@ -405,16 +428,58 @@ def join_fresh_session_keyring(libc, iso: dict) -> None:
         iso["keyring"] = True
 
 
-def install_seccomp(libc, iso: dict) -> None:
-    """Deny ``DENIED_SYSCALLS`` with EPERM; any other architecture's syscall kills the process.
+def seccomp_program(
+    machine: str, denied: dict[str, int], denied_arg0: dict[str, tuple[int, int]]
+) -> list[tuple[int, int, int, int]] | None:
+    """Classic BPF: EPERM for the syscall numbers in ``denied`` and for those of
+    ``denied_arg0`` called with that first argument (its low 32 bits: the kernel reads an
+    ``int``); any other architecture's syscall kills the process. ``None``: unknown machine."""
+    arch = AUDIT_ARCH.get(machine)
+    if arch is None:
+        return None
+    ld_w_abs, jeq_k, jge_k, ret_k = 0x20, 0x15, 0x35, 0x06
+    allow, kill = 0x7FFF0000, 0x80000000
+    deny = 0x00050000 | 1  # SECCOMP_RET_ERRNO | EPERM
+    nr_at, arg0_at = 0, 16  # offsets in struct seccomp_data (args[0], low word first)
+    prog = [
+        (ld_w_abs, 0, 0, 4),  # seccomp_data.arch
+        (jeq_k, 1, 0, arch),
+        (ret_k, 0, 0, kill),
+        (ld_w_abs, 0, 0, nr_at),
+    ]
+    if machine == "x86_64":
+        prog += [(jge_k, 0, 1, X32_SYSCALL_BIT), (ret_k, 0, 0, deny)]
+    for nr in sorted(set(denied.values())):
+        prog += [(jeq_k, 0, 1, nr), (ret_k, 0, 0, deny)]
+    for nr, arg0 in sorted(set(denied_arg0.values())):
+        prog += [
+            (jeq_k, 0, 4, nr),  # another syscall: skip this rule (4 instructions)
+            (ld_w_abs, 0, 0, arg0_at),
+            (jeq_k, 0, 1, arg0),
+            (ret_k, 0, 0, deny),
+            (ld_w_abs, 0, 0, nr_at),  # the number again, for the rules below
+        ]
+    prog.append((ret_k, 0, 0, allow))
+    return prog
+
+
+def install_seccomp(
+    libc,
+    iso: dict,
+    denied: dict[str, dict[str, int]] = DENIED_SYSCALLS,
+    denied_arg0: dict[str, dict[str, tuple[int, int]]] = DENIED_WITH_ARG0,
+    key: str = "seccomp",
+) -> None:
+    """Install a filter of :func:`seccomp_program` for this machine; ``iso[key]`` says
+    whether it is in place (filters stack: a later one can only deny more).
 
     Needs no_new_privs (set before). Without a known architecture the filter is skipped and
-    ``isolation["seccomp"]`` stays False.
+    ``iso[key]`` stays False.
     """
     machine = os.uname().machine
-    denied, arch = DENIED_SYSCALLS.get(machine), AUDIT_ARCH.get(machine)
-    if denied is None or arch is None:
-        iso["seccomp_error"] = f"no syscall table for {machine}"
+    prog = seccomp_program(machine, denied.get(machine, {}), denied_arg0.get(machine, {}))
+    if prog is None or machine not in denied:
+        iso[f"{key}_error"] = f"no syscall table for {machine}"
         return
 
     class SockFilter(ctypes.Structure):
@@ -428,26 +493,60 @@ def install_seccomp(libc, iso: dict) -> None:
     class SockFprog(ctypes.Structure):
         _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(SockFilter))]
 
-    ld_w_abs, jeq_k, jge_k, ret_k = 0x20, 0x15, 0x35, 0x06
-    allow, kill = 0x7FFF0000, 0x80000000
-    deny = 0x00050000 | 1  # SECCOMP_RET_ERRNO | EPERM
-    prog = [
-        (ld_w_abs, 0, 0, 4),  # seccomp_data.arch
-        (jeq_k, 1, 0, arch),
-        (ret_k, 0, 0, kill),
-        (ld_w_abs, 0, 0, 0),  # seccomp_data.nr
-    ]
-    if machine == "x86_64":
-        prog += [(jge_k, 0, 1, X32_SYSCALL_BIT), (ret_k, 0, 0, deny)]
-    for nr in sorted(set(denied.values())):
-        prog += [(jeq_k, 0, 1, nr), (ret_k, 0, 0, deny)]
-    prog.append((ret_k, 0, 0, allow))
     filters = (SockFilter * len(prog))(*[SockFilter(*ins) for ins in prog])
     fprog = SockFprog(len(prog), filters)
     if libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0) != 0:
-        iso["seccomp_error"] = os.strerror(ctypes.get_errno())
+        iso[f"{key}_error"] = os.strerror(ctypes.get_errno())
     else:
-        iso["seccomp"] = True
+        iso[key] = True
+
+
+class _SigEvent(ctypes.Structure):  # struct sigevent (64 bytes on Linux)
+    _fields_ = [
+        ("value", ctypes.c_void_p),
+        ("signo", ctypes.c_int),
+        ("notify", ctypes.c_int),
+        ("pad", ctypes.c_int * 12),
+    ]
+
+
+class _TimeSpec(ctypes.Structure):
+    _fields_ = [("sec", ctypes.c_long), ("nsec", ctypes.c_long)]
+
+
+class _ITimerSpec(ctypes.Structure):
+    _fields_ = [("interval", _TimeSpec), ("value", _TimeSpec)]
+
+
+def create_wall_timer(libc, iso: dict) -> int | None:
+    """A POSIX timer on CLOCK_MONOTONIC that sends SIGKILL (unblockable, uncatchable) when
+    it expires: the job's own wall-clock limit, armed by :func:`arm_wall_timer`. Timer id,
+    or ``None`` when the kernel refused one (then ``iso["wall_timer_error"]`` says why)."""
+    nr = TIMER_CREATE.get(os.uname().machine)
+    if nr is None:
+        iso["wall_timer_error"] = f"no syscall table for {os.uname().machine}"
+        return None
+    event = _SigEvent(None, SIGKILL, SIGEV_SIGNAL)
+    timer = ctypes.c_int(-1)
+    if libc.syscall(nr, CLOCK_MONOTONIC, ctypes.byref(event), ctypes.byref(timer)) != 0:
+        iso["wall_timer_error"] = os.strerror(ctypes.get_errno())
+        return None
+    iso["wall_timer"] = True
+    return timer.value
+
+
+def arm_wall_timer(libc, timer: int, seconds: float, iso: dict) -> None:
+    """Start the job's wall-clock timer, then deny disarming or deleting it (and exec, which
+    would drop it, is denied from the start): from now on the worker dies ``seconds`` later
+    whatever the code does, even if no host is left to kill it."""
+    nr = DENIED_IN_JOB.get(os.uname().machine, {}).get("timer_settime")
+    whole = int(max(0.001, seconds))
+    frac = max(0.001, seconds) - whole
+    spec = _ITimerSpec(_TimeSpec(0, 0), _TimeSpec(whole, int(frac * 1e9)))
+    if nr is None or libc.syscall(nr, timer, 0, ctypes.byref(spec), None) != 0:
+        iso["wall_timer_error"] = "cannot arm the wall-clock timer"
+        return
+    install_seccomp(libc, iso, DENIED_IN_JOB, {}, key="wall_timer")
 
 
 def preimport(allowed: list[str]) -> list[str]:
@@ -676,6 +775,7 @@ def main() -> None:
         "userns": False,
         "keyring": False,
         "seccomp": False,
+        "wall_timer": False,
     }
     workdir = cfg["workdir"]
 
@@ -716,6 +816,7 @@ def main() -> None:
     if os.getppid() != cfg["host_pid"]:
         os._exit(3)  # the host died while we were starting
     set_limits(cfg, baseline_vm)
+    wall_timer = create_wall_timer(libc, iso)
     install_seccomp(libc, iso)
     needed = ("netns", "chroot", "uid_dropped", "seccomp", "keyring")
     if cfg.get("strict") and not all(iso.get(k) for k in needed):
@@ -733,6 +834,8 @@ def main() -> None:
     write_frame(reply_fd, {"type": "ready", "pid": os.getpid(), "isolation": iso})
 
     job = read_frame(0)
+    if wall_timer is not None:
+        arm_wall_timer(libc, wall_timer, float(cfg["worker_wall_seconds"]), {})
     set_cpu_limit(float(cfg["cpu_seconds"]))
     result = run_job(job, cfg, user_builtins)
     write_frame(reply_fd, result)

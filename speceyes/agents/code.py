@@ -42,7 +42,7 @@ from typing import Any
 
 from PIL import Image
 
-from speceyes import prompts, protocols
+from speceyes import limits, prompts, protocols
 from speceyes.agents.base import AgentOutcome, LoopAgent, fallback_answer, last_answer
 from speceyes.agents.sandbox import DEFAULT_ALLOWED_MODULES, Sandbox, SandboxResult
 from speceyes.backends.base import Backend, Messages
@@ -501,9 +501,9 @@ class CodeAgent(LoopAgent):
         """Saved images, validated and sized for the model; or a message for the model."""
         b = self.backend
         images = []
-        for path in paths:
+        for path in paths[: max(0, self.max_images - loop.images_shown)]:  # only what may show
             try:
-                img = load_image(path)
+                img = load_image(path, max_pixels=limits.MAX_IMAGE_PIXELS, max_ratio=None)
             except ImageError as e:
                 return [], f"Sandbox for {loop.case_id}: the saved image is unreadable ({e})"
             if max(img.size) / min(img.size) > MAX_RATIO:
@@ -511,7 +511,7 @@ class CodeAgent(LoopAgent):
             # smart_resize now: at least min_pixels, at most max_pixels, kept in memory small.
             images.append(resize_for_model(img, b.factor, b.min_pixels, b.max_pixels)[0])
         room = self.max_images - loop.images_shown
-        if len(images) > room:
+        if len(paths) > room:
             if room <= 0:
                 return [], (
                     f"Sandbox for {loop.case_id}: image limit reached ({self.max_images} images "

@@ -5,7 +5,8 @@ worker process (``_sandbox_worker.py``, started with ``python -I -S -B``) which,
 even reads the job:
 
 * leads a new session / process group (the host kills the whole group), gets
-  ``PR_SET_PDEATHSIG`` (dies with the host) and ``no_new_privs``;
+  ``PR_SET_PDEATHSIG`` (dies with the host; seccomp refuses to change it afterwards) and
+  ``no_new_privs``;
 * lives in a new **network namespace** (just an unconfigured loopback: every
   ``connect()`` fails, ``127.0.0.1`` included), plus new mount and IPC namespaces when root;
 * has pre-imported the allowed modules (PIL with all its plugins, numpy, ...), then (root)
@@ -23,7 +24,12 @@ even reads the job:
 * has a fresh, empty session keyring (joined before the uid drop) and a **seccomp** filter
   (EPERM) on the kernel keyring, SysV shared memory / message queues / semaphores and memfd
   (memory that ``RLIMIT_AS`` does not count), and on ptrace, mount, unshare, setns, chroot,
-  bpf, io_uring, userfaultfd, perf_event_open and module loading.
+  bpf, io_uring, userfaultfd, perf_event_open, module loading, exec and
+  ``prctl(PR_SET_PDEATHSIG)``;
+* has its own wall-clock limit: a POSIX timer that sends SIGKILL ``wall_seconds`` +
+  ``WORKER_WALL_GRACE_SECONDS`` after the job starts, armed before the code runs (a second
+  seccomp filter then refuses ``timer_settime``/``timer_delete``), so a worker cannot outlive
+  a killed or stuck host by more than that even if the parent-death signal did not fire.
 
 The host enforces the wall-clock limit (``os.killpg(SIGKILL)``), reads a bounded amount of
 output (the worker keeps ``max_output_bytes`` of stdout+stderr and stops the code once it
@@ -31,7 +37,8 @@ printed 10x that), treats the worker's answer as untrusted (size-capped, nesting
 surrogates and invalid UTF-8 replaced; anything else is a protocol error, never an exception),
 copies saved images out with ``O_NOFOLLOW``/``O_NONBLOCK`` + ``fstat`` (planted symlinks and
 FIFOs are ignored; only real, non-sparse image files owned by the sandbox uid are taken, at
-most ``disk_mb`` in all per run; ``SandboxResult.discard`` deletes the copies once read), and
+most ``MAX_IMAGES`` and ``disk_mb`` in all per run, chosen by ``lstat`` and opened one at a
+time; ``SandboxResult.discard`` deletes the copies once read), and
 replaces every worker after one job.
 
 The worker also runs the code with a restricted ``__builtins__`` (an import whitelist and
@@ -131,6 +138,10 @@ IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".
 MAX_IMAGES = 32
 OUTPUT_STOP_FACTOR = 10
 MAX_CODE_BYTES = 4 * 1024 * 1024
+# The worker's own wall-clock limit is the host's plus this: the host normally stops a job
+# first (and copies its images out meanwhile); the worker's timer only ends one whose host
+# is gone or stuck.
+WORKER_WALL_GRACE_SECONDS = 5.0
 _SAFE_NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-+")
 
 
@@ -261,12 +272,21 @@ def _uid_in_use(uid: int) -> bool:
 class _Worker:
     """Host-side handle of one worker process."""
 
-    def __init__(self, proc: subprocess.Popen, base: str, workdir: str, uid: int, gid: int):
+    def __init__(
+        self,
+        proc: subprocess.Popen,
+        base: str,
+        workdir: str,
+        uid: int,
+        gid: int,
+        wall_limit: float,
+    ):
         self.proc = proc
         self.base = base
         self.workdir = workdir
         self.uid = uid
         self.gid = gid
+        self.wall_limit = wall_limit  # seconds after which the worker's own timer kills it
         self.isolation: dict = {}
         self.buf = bytearray()
         self.err = bytearray()
@@ -450,6 +470,7 @@ class Sandbox:
             "stack_bytes": int(stack_mb) * 1024 * 1024,
             "memory_mb": self.memory_mb,
             "cpu_seconds": cpu_seconds,
+            "worker_wall_seconds": wall_seconds + WORKER_WALL_GRACE_SECONDS,
             "max_output_bytes": self.max_output_bytes,
             "stop_output_bytes": self.max_output_bytes * OUTPUT_STOP_FACTOR,
             "host_pid": os.getpid(),
@@ -683,7 +704,7 @@ class Sandbox:
             with self._lock:
                 self._uids_in_use.discard(uid)
             raise SandboxStartupError(f"cannot start sandbox worker: {exc}") from exc
-        worker = _Worker(proc, base, workdir, uid, gid)
+        worker = _Worker(proc, base, workdir, uid, gid, float(cfg["worker_wall_seconds"]))
         with self._lock:
             self._workers.add(worker)
         try:
@@ -726,6 +747,7 @@ class Sandbox:
         data = json.dumps(job, ensure_ascii=False).encode("utf-8", "surrogatepass")
         frame: dict | None = None
         failure: str | None = None
+        started = time.monotonic()
         try:
             w.proc.stdin.write(struct.pack(">I", len(data)) + data)
             w.proc.stdin.flush()
@@ -749,7 +771,7 @@ class Sandbox:
             w.signal_group(signal.SIGKILL)  # reaped in the background by run()
             return self._result_from_frame(frame, images, time.monotonic() - t0, iso)
         self._reap_now(w)  # the exit status tells which limit was hit
-        message = self._failure_message(w, failure)
+        message = self._failure_message(w, failure, time.monotonic() - started)
         return SandboxResult(False, "", message, images, time.monotonic() - t0, iso)
 
     def _result_from_frame(
@@ -776,22 +798,25 @@ class Sandbox:
             error = "Sandbox error: the code failed."
         return SandboxResult(ok, stdout, error, images, elapsed, iso)
 
-    def _failure_message(self, w: _Worker, failure: str | None) -> str:
+    def _failure_message(self, w: _Worker, failure: str | None, ran: float) -> str:
         rc = w.proc.returncode
         cpu = 0.0
         if w.rusage is not None:
             cpu = w.rusage.ru_utime + w.rusage.ru_stime
+        wall_message = (
+            f"Sandbox error: time limit of {self.wall_seconds:g} s exceeded (wall clock); "
+            "the code was stopped. Make it faster or avoid waiting/infinite loops."
+        )
         if failure == "timeout":
-            return (
-                f"Sandbox error: time limit of {self.wall_seconds:g} s exceeded (wall clock); "
-                "the code was stopped. Make it faster or avoid waiting/infinite loops."
-            )
+            return wall_message
         cpu_signals = (-signal.SIGPROF, -signal.SIGXCPU)
         if rc in cpu_signals or (rc == -signal.SIGKILL and cpu >= self.cpu_seconds - 0.5):
             return (
                 f"Sandbox error: time limit of {self.cpu_seconds:g} s exceeded (CPU time); "
                 "the code was stopped. Make it faster or avoid infinite loops."
             )
+        if rc == -signal.SIGKILL and ran >= w.wall_limit:  # the worker's own wall timer
+            return wall_message
         if failure == "protocol":
             return "Sandbox error: the code interfered with the sandbox protocol and was stopped."
         tail = w.stderr_tail(400)
@@ -822,18 +847,35 @@ class Sandbox:
                     os.fchown(dst.fileno(), 0, 0)
 
     def _copy_out(self, w: _Worker, skip_name: str | None) -> list[str]:
+        """Copy the images the code saved, oldest first, at most ``MAX_IMAGES`` and
+        ``max_copy_bytes`` in all. Candidates are chosen by ``lstat`` (the worker is stopped,
+        so nothing changes meanwhile) and opened one at a time: a work dir full of planted
+        files costs the host one file descriptor, not one per file."""
         root = self._root_view(w)
         try:
             entries = list(os.scandir(root))
         except OSError:
             return []  # the worker is gone (its private tmpfs went with it)
-        found = []
+        candidates = []
         for entry in entries:
             name = entry.name
             if name == skip_name or not name.lower().endswith(IMAGE_EXTENSIONS):
                 continue
             if len(name) > 200 or any(c in name for c in "\n\r\t\x00/"):
                 continue
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue  # vanished
+            if self._copyable(st):
+                candidates.append((st.st_mtime_ns, name, st.st_dev, st.st_ino))
+        candidates.sort()
+        paths: list[str] = []
+        run_dir = None
+        budget = self.max_copy_bytes
+        for _, name, dev, ino in candidates:
+            if len(paths) >= MAX_IMAGES:
+                break
             try:
                 fd = os.open(
                     os.path.join(root, name),
@@ -843,32 +885,11 @@ class Sandbox:
                 continue  # symlink (ELOOP), vanished, ...
             try:
                 st = os.fstat(fd)
-                if not stat.S_ISREG(st.st_mode) or st.st_size > self.max_file_bytes:
-                    os.close(fd)
-                    continue
-                if st.st_blocks * 512 < st.st_size:
-                    os.close(fd)
-                    continue  # sparse (holes cost the sandbox nothing, a full copy would not)
-                if self._is_root and st.st_uid == 0:
-                    os.close(fd)
-                    continue  # not written by the code
-                if not _has_image_magic(os.pread(fd, 16, 0)):
-                    os.close(fd)
-                    continue  # junk with an image extension
-            except OSError:
-                os.close(fd)
-                continue
-            found.append((st.st_mtime_ns, name, fd))
-        found.sort()
-        paths: list[str] = []
-        run_dir = None
-        budget = self.max_copy_bytes
-        for _, name, fd in found:
-            try:
-                size = os.fstat(fd).st_size
-                if len(paths) >= MAX_IMAGES or size > budget:
-                    continue
-                budget -= size
+                if (st.st_dev, st.st_ino) != (dev, ino) or not self._copyable(st):
+                    continue  # not the file chosen above
+                if st.st_size > budget or not _has_image_magic(os.pread(fd, 16, 0)):
+                    continue  # over the copy budget, or junk with an image extension
+                budget -= st.st_size
                 if run_dir is None:
                     with self._lock:
                         self._run_counter += 1
@@ -890,3 +911,11 @@ class Sandbox:
             finally:
                 os.close(fd)
         return paths
+
+    def _copyable(self, st: os.stat_result) -> bool:
+        """A regular, non-sparse file the code wrote, no larger than ``max_file_bytes``."""
+        if not stat.S_ISREG(st.st_mode) or st.st_size > self.max_file_bytes:
+            return False
+        if st.st_blocks * 512 < st.st_size:
+            return False  # sparse (holes cost the sandbox nothing, a full copy would not)
+        return not (self._is_root and st.st_uid == 0)  # root-owned: not written by the code
