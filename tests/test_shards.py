@@ -118,13 +118,12 @@ def test_apply_shard_cuts_the_limit_first():
 # ---------------------------------------------------------------------------- real shards
 
 
-@pytest.fixture(scope="module")
-def vstar(tmp_path_factory):
-    root = tmp_path_factory.mktemp("vstar-shards")
+def tiny_vstar(root: Path, n_per_cat: int) -> Path:
+    """A V*-layout folder of ``n_per_cat`` drawn scenes per category."""
     colors = {"red": (220, 30, 30), "blue": (30, 30, 220)}
     for cat in ("direct_attributes", "relative_position"):
-        (root / cat).mkdir()
-        for i in range(N_PER_CAT):
+        (root / cat).mkdir(parents=True)
+        for i in range(n_per_cat):
             name = list(colors)[i % 2]
             make_scene(box=(30 + 20 * i, 40, 120 + 20 * i, 130), color=colors[name]).save(
                 root / cat / f"img{i}.jpg"
@@ -132,6 +131,11 @@ def vstar(tmp_path_factory):
             meta = {"question": "What color is the square?", "options": [name, "green"]}
             (root / cat / f"img{i}.json").write_text(json.dumps(meta))
     return root
+
+
+@pytest.fixture(scope="module")
+def vstar(tmp_path_factory):
+    return tiny_vstar(tmp_path_factory.mktemp("vstar-shards") / "vstar", N_PER_CAT)
 
 
 def _eval_args(tiny_dirs, vstar, out, *extra):

@@ -280,8 +280,9 @@ def build_table1(
 def _fill(cell: Cell, p: _Placed, placed: list[_Placed], notes: list[str]) -> None:
     cell.ours_accuracy = p.accuracy[cell.column]
     cell.run, cell.scoring = str(p.run.path), p.scoring
-    cell.pooled_speedup = len(p.place.columns) > 1
-    base = p if p.place.row[1] == "agent" else _baseline_for(p, placed)
+    is_baseline = p.place.row[1] == "agent"
+    cell.pooled_speedup = len(p.place.columns) > 1 and not is_baseline  # 1.00x by definition
+    base = p if is_baseline else _baseline_for(p, placed)
     if base is None:
         backbone = DRAFT_BASELINE if p.place.row[1] == "draft" else p.place.row[0]
         notes.append(f"{p.run.path}: no agent-only {backbone} run on {p.place.scope}: no speedup")
