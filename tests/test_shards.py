@@ -313,3 +313,27 @@ def test_merge_without_the_data_keeps_shard_order_and_says_so(runs, tmp_path, vs
     ids = [r["id"] for r in RunDir(tmp_path / "m").records()]
     s0 = [r["id"] for r in RunDir(runs["s0"]).records()]
     assert ids[: len(s0)] == s0 and len(ids) == 2 * N_PER_CAT
+
+
+def test_merge_reads_folders_without_run_json(tmp_path):
+    """Run folders that hold only samples.jsonl and results.json (no run.json) merge too."""
+    from tests.tools.synthetic_run import write_synthetic_run
+
+    whole = RunDir(write_synthetic_run(tmp_path / "whole", 40, mode="both"))
+    parts = []
+    for i, wall in enumerate((30.0, 50.0)):
+        rd = RunDir(tmp_path / f"part{i}")
+        rd.path.mkdir()
+        rd.rewrite([r for r in whole.records() if shard_of(r["id"], 2) == i])
+        results = whole.read_results()
+        results["config"] |= {"bench": "vstar", "data": str(tmp_path / "gone"), "shard": f"{i}/2"}
+        results |= {"n": len(rd.records()), "wall_time": wall}
+        rd.write_results(results)
+        parts.append(rd.path)
+    res = merge_runs(parts, tmp_path / "m", plots=False)
+    assert res.wall_time == 80.0 and res.wall_time_elapsed == 50.0
+    assert any("could not be read" in n for n in res.notes)  # the data is gone
+    merged = RunDir(tmp_path / "m")
+    assert sorted(r["id"] for r in merged.records()) == [r["id"] for r in whole.records()]
+    assert merged.read_results()["beta"] == pytest.approx(whole.read_results()["beta"])
+    assert "shard" not in merged.read_state()["config"]

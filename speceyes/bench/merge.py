@@ -24,7 +24,7 @@ Refusals (:class:`MergeError`, naming what differs): shards whose run.json diffe
 ``shard`` key and the time segments; a folder without results.json (an unfinished shard); shards
 of different N, a shard given twice or missing; a record whose id hashes to another shard; a
 query id in two shards; and, when the benchmark's data can be read, queries missing from every
-shard or not in the benchmark.
+shard or not in the benchmark. A folder without run.json is read from the config and segments in its results.json.
 """
 
 from __future__ import annotations
@@ -85,15 +85,15 @@ def read_shard(path: str | Path) -> ShardRun:
     run_dir = RunDir(path)
     if not run_dir.path.is_dir():
         raise MergeError(f"{run_dir.path}: not a run folder")
-    state = run_dir.read_state()
-    if state is None or not isinstance(state.get("config"), dict):
-        raise MergeError(f"{run_dir.path}: no run.json with a config: not a speceyes eval run")
     if not run_dir.results_file.is_file():
         raise MergeError(
             f"{run_dir.path}: no results.json, so the run did not finish; resume it with "
             "`speceyes eval ... --resume` first"
         )
     results = run_dir.read_results()
+    state = run_dir.read_state() or _state_from_results(results)
+    if not isinstance(state.get("config"), dict) or not state["config"]:
+        raise MergeError(f"{run_dir.path}: no run configuration: not a speceyes eval run")
     scan = ScanReport()
     records = list(run_dir.iter_records(report=scan))
     if scan.torn is not None:
@@ -109,6 +109,12 @@ def read_shard(path: str | Path) -> ShardRun:
     except ValueError as exc:
         raise MergeError(f"{run_dir.path}: run.json: {exc}") from exc
     return ShardRun(run_dir.path, state, results, records, shard)
+
+
+def _state_from_results(results: dict[str, Any]) -> dict[str, Any]:
+    """run.json as results.json gives it, for a run folder written without run.json."""
+    segments = results.get("segments") or [{"seconds": float(results.get("wall_time") or 0.0)}]
+    return {"config": results.get("config") or {}, "segments": segments}
 
 
 def merge_runs(
