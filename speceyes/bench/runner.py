@@ -20,6 +20,7 @@ import numpy as np
 
 from speceyes import __version__
 from speceyes.bench import benchmarks, scoring
+from speceyes.bench.shards import Shard
 from speceyes.funnel import Funnel
 from speceyes.rates import beta_alpha_of
 from speceyes.rundir import RunDir, RunDirError
@@ -38,6 +39,7 @@ class EvalSpec:
     llm_judge_model: str | None = None
     models: dict[str, str | None] = field(default_factory=dict)
     loader_kw: dict[str, Any] = field(default_factory=dict)
+    shard: Shard | None = None  # run only this shard of the queries (recorded in run.json)
 
 
 def _topk_list(topk: np.ndarray | None) -> list[list[float]] | None:
@@ -162,6 +164,8 @@ def run_eval(
         "agent": getattr(funnel.agent, "name", None),
         "loader": spec.loader_kw,
     }
+    if spec.shard is not None:  # only when sharded: older run folders still resume
+        config["shard"] = str(spec.shard)
     state: dict[str, Any] = {"config": config, "segments": []}
     if run_dir.holds_run():
         if not spec.resume:
@@ -241,23 +245,40 @@ def run_eval(
         segment.update(seconds=time.perf_counter() - t0, queries=len(records) - len(done_records))
         run_dir.write_state(state)
 
-    wall = float(sum(s["seconds"] for s in state["segments"]))
-    results = {
+    results = run_results(config, records, spec.bench, state["segments"], versions(spec.models))
+    write_results(run_dir, results, plots=plots)
+    return results
+
+
+def run_results(
+    config: dict[str, Any],
+    records: list[dict[str, Any]],
+    bench: str,
+    segments: list[dict[str, Any]],
+    versions_info: dict[str, Any],
+) -> dict[str, Any]:
+    """results.json of a run: the summary of its records, and its wall time as the sum of its
+    time segments (a resumed run's segments add up; so do a merged run's shards)."""
+    wall = float(sum(s["seconds"] for s in segments))
+    return {
         "config": config,
-        **summarize(records, spec.bench),
+        **summarize(records, bench),
         "wall_time": wall,
         "time_per_query": wall / len(records) if records else None,
         "qps": len(records) / wall if wall > 0 else None,
-        "segments": state["segments"],
-        "versions": versions(spec.models),
+        "segments": segments,
+        "versions": versions_info,
     }
+
+
+def write_results(run_dir: RunDir, results: dict[str, Any], *, plots: bool = True) -> None:
+    """Write results.json, then the run's plots (named in it; a failed plot is noted there)."""
     run_dir.write_results(results)
     if plots:
         from speceyes.bench.plots import write_run_plots
 
         try:
-            results["plots"] = [str(p) for p in write_run_plots(out)]
+            results["plots"] = [str(p) for p in write_run_plots(run_dir.path)]
         except Exception as e:  # a plot must never cost the run's results
             results["plots_error"] = f"{type(e).__name__}: {e}"
         run_dir.write_results(results)
-    return results

@@ -1,0 +1,1 @@
+"""Command modules: each gives ``add_args(parser)`` and ``run(args) -> int``."""
