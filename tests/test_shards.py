@@ -22,7 +22,7 @@ from speceyes.bench.shards import (
     select_shard,
     shard_of,
 )
-from speceyes.commands import merge as merge_cmd
+from speceyes.cli import build_parser
 from speceyes.rundir import RunDir
 from speceyes.types import Query
 from tests.conftest import make_scene
@@ -147,11 +147,7 @@ def _eval_args(tiny_dirs, vstar, out, *extra):
     # different batch can move greedy outputs; one query per batch keeps runs comparable.
     argv += ["--mode", "both", "--tau", "0.5", "--batch-size", "1", "--agent-max-tokens", "12"]
     argv += ["--no-progress"]
-    args, rest = build_parser().parse_known_args([*argv, *extra])
-    shard_parser = argparse.ArgumentParser()
-    add_shard_arg(shard_parser)
-    args.shard = shard_parser.parse_args(rest).shard
-    return args
+    return build_parser().parse_args([*argv, *extra])
 
 
 def _eval(args, funnel) -> None:
@@ -175,10 +171,10 @@ def _eval(args, funnel) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tiny_dirs, vstar, tmp_path_factory):
-    from speceyes.cli import build_funnel
+    from speceyes.factory import Settings, build_funnel
 
     root = tmp_path_factory.mktemp("shard-runs")
-    funnel = build_funnel(_eval_args(tiny_dirs, vstar, root / "x"))
+    funnel = build_funnel(Settings.from_args(_eval_args(tiny_dirs, vstar, root / "x")))
     out = {"whole": root / "whole", "s0": root / "s0", "s1": root / "s1"}
     _eval(_eval_args(tiny_dirs, vstar, out["whole"]), funnel)
     _eval(_eval_args(tiny_dirs, vstar, out["s0"], "--shard", "0/2"), funnel)
@@ -204,9 +200,9 @@ def test_merged_shards_equal_the_whole_run(runs, tmp_path):
     assert n0 + n1 == 2 * N_PER_CAT and n0 and n1, "each shard should hold some queries"
 
     merged = tmp_path / "merged"
-    parser = argparse.ArgumentParser()
-    merge_cmd.add_args(parser)
-    args = parser.parse_args([str(runs["s1"]), str(runs["s0"]), "--output", str(merged)])
+    args = build_parser().parse_args(
+        ["merge", str(runs["s1"]), str(runs["s0"]), "--output", str(merged)]
+    )
     assert args.func(args) == 0
 
     whole = RunDir(runs["whole"])

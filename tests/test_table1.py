@@ -3,7 +3,6 @@ beside the paper's published Table 1 (bench/paper_table1.py)."""
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -12,7 +11,7 @@ import pytest
 
 from speceyes.bench import paper_table1 as paper
 from speceyes.bench.table1 import Table1Error, build_table1, format_markdown
-from speceyes.commands import table1 as table1_cmd
+from speceyes.cli import build_parser
 from speceyes.rundir import RunDir
 from tests.test_shards import tiny_vstar
 from tests.tools.synthetic_run import write_synthetic_run
@@ -223,9 +222,7 @@ def test_table1_command_on_real_tiny_runs(tiny_dirs, tmp_path, capsys):
     assert main(["eval", *common, "--mode", "speceyes", "--tau", "0.5", "--output", str(spec)]) == 0
     capsys.readouterr()
 
-    parser = argparse.ArgumentParser()
-    table1_cmd.add_args(parser)
-    args = parser.parse_args([str(agent), str(spec), "--json"])
+    args = build_parser().parse_args(["table1", str(agent), str(spec), "--json"])
     assert args.func(args) == 0
     out = json.loads(capsys.readouterr().out)
     rows = {(r["backbone"], r["label"]): r for r in out["rows"]}
@@ -237,7 +234,7 @@ def test_table1_command_on_real_tiny_runs(tiny_dirs, tmp_path, capsys):
         speedup = res_a["time_per_query"] / res_s["time_per_query"]
         assert spec_cells[col]["ours_speedup"] == pytest.approx(speedup)
         assert spec_cells[col]["paper_accuracy"] is not None
-    args = parser.parse_args([str(agent), str(spec)])
+    args = build_parser().parse_args(["table1", str(agent), str(spec)])
     assert args.func(args) == 0
     md = capsys.readouterr().out
     assert "| **Based on DeepEyes** |" in md and "| DeepEyes | paper | 90.43 | 1.00x |" in md
@@ -260,9 +257,7 @@ def _dry_run(tmp_path: Path, **env: str) -> list[list[str]]:
 
 
 def test_the_reproduction_script_runs_valid_commands(tmp_path):
-    from speceyes.bench.shards import add_shard_arg
     from speceyes.cli import build_parser
-    from speceyes.commands import merge as merge_cmd
 
     commands = _dry_run(tmp_path)
     evals = [c for c in commands if c[:2] == ["speceyes", "eval"]]
@@ -276,20 +271,13 @@ def test_the_reproduction_script_runs_valid_commands(tmp_path):
     assert ("deepeyes", "pope", "/data/POPE", "random", "speceyes", 0.97) in places
     table = commands[-1]
     assert table[:2] == ["speceyes", "table1"]
-    parser = argparse.ArgumentParser()
-    table1_cmd.add_args(parser)
-    assert parser.parse_args(table[2:]).runs
+    assert build_parser().parse_args(table[1:]).runs
 
     sharded = _dry_run(tmp_path, SHARDS="2", DRAFT="0")
-    shard_parser = argparse.ArgumentParser()
-    add_shard_arg(shard_parser)
     merges = [c for c in sharded if c[:2] == ["speceyes", "merge"]]
     assert len(merges) == 2 * 6 * 2
     for argv in sharded:
         if argv[:2] == ["speceyes", "eval"]:
-            _, rest = build_parser().parse_known_args(argv[1:])
-            assert shard_parser.parse_args(rest).shard.count == 2
+            assert build_parser().parse_args(argv[1:]).shard.count == 2
         elif argv[:2] == ["speceyes", "merge"]:
-            parser = argparse.ArgumentParser()
-            merge_cmd.add_args(parser)
-            assert len(parser.parse_args(argv[2:]).runs) == 2
+            assert len(build_parser().parse_args(argv[1:]).runs) == 2

@@ -18,6 +18,8 @@ COMMANDS = (
     "eval",
     "prompts",
     "report",
+    "table1",
+    "merge",
     "view",
     "regate",
     "calibrate",

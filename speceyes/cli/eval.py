@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from speceyes.bench.shards import add_shard_arg, apply_shard
 from speceyes.cli.options import add_funnel_args, add_model_args
 
 
@@ -48,6 +49,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     ev.add_argument("--llm-judge-model", default=None, help="model name at --llm-judge")
     add_model_args(ev)
     add_funnel_args(ev)
+    add_shard_arg(ev)
     ev.set_defaults(func=run)
 
 
@@ -59,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
     from speceyes.factory import Settings, build_funnel
 
     bench, loader_kw, queries = load_from_args(args)
+    queries = apply_shard(args, queries)
     first = next(queries, None)  # surface a bad --data before any model is loaded
     if first is None:
         raise ValueError(f"no queries found in {args.data}")
@@ -75,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
         llm_judge_model=args.llm_judge_model,
         models={"small": args.small, "large": args.large},
         loader_kw=loader_kw,
+        shard=args.shard,
     )
 
     def chained():

@@ -16,7 +16,8 @@ DESCRIPTION = (
 )
 
 
-def add_args(parser: argparse.ArgumentParser) -> None:
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser("merge", help=HELP, description=DESCRIPTION)
     parser.add_argument("runs", nargs="+", help="the shards' run folders (speceyes eval --shard)")
     parser.add_argument("--output", required=True, help="the merged run folder (must be new)")
     parser.add_argument(

@@ -15,7 +15,8 @@ DESCRIPTION = (
 )
 
 
-def add_args(parser: argparse.ArgumentParser) -> None:
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser("table1", help=HELP, description=DESCRIPTION)
     from speceyes.bench.table1 import SCORINGS
 
     parser.add_argument("runs", nargs="+", help="run folders written by speceyes eval (or merge)")

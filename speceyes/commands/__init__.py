@@ -1,1 +1,0 @@
-"""Command modules: each gives ``add_args(parser)`` and ``run(args) -> int``."""
