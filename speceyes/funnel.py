@@ -167,7 +167,7 @@ class Plan:
         return tuple(step for step, runs in zip(STEPS, on, strict=True) if runs)
 
 
-PLANS: dict[str, Plan] = {
+PLANS: dict[Mode, Plan] = {
     "speceyes": Plan(judge=True, speculate="tool_free", gate="accept", agent="rest"),
     "both": Plan(judge=True, speculate="all", gate="accept", agent="all"),
     "small": Plan(judge=False, speculate="all", gate="record", agent=None),

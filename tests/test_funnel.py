@@ -193,8 +193,9 @@ class _StepLog(Funnel):
     ],
 )
 def test_each_mode_runs_its_steps(parts, mode, judge, steps):
-    from speceyes.funnel import PLANS
+    from speceyes.funnel import MODES, PLANS
 
+    assert set(PLANS) == set(MODES)
     f = _StepLog(*parts, FunnelConfig(mode=mode, judge=judge, tau=0.5, batch_size=2))
     res = f.run(queries(2))
     assert f.ran == steps and sorted(PLANS[mode].steps) == sorted(steps)
