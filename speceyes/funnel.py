@@ -1,15 +1,22 @@
-"""The four phases of SpecEyes over a stream of queries.
+"""The four phases of SpecEyes over a stream of queries, one step each.
 
-I   tool-need judgment on the large model: P(tool) per query; "yes" goes straight to IV.
-II  speculative answers from the small model, keeping the top-K logits of every token.
-III the cognitive gate: accept iff sigmoid(alpha * separability) > tau.
-IV  the agent loop on the large model for everything not accepted.
+I   ``_judge``: tool-need judgment on the large model: P(tool) per query; "yes" goes straight
+    to IV.
+II  ``_speculate``: speculative answers from the small model, keeping the top-K logits of every
+    token.
+III ``_gate``: the cognitive gate: accept iff sigmoid(alpha * separability) > tau.
+IV  ``_agent``: the agent loop on the large model for everything not accepted.
 
-The baselines are modes of the same funnel: ``agent`` (IV for all), ``small`` (II for all) and
-``both`` (every phase for every query, routed as ``speceyes`` would, so any gate setting can be
-replayed offline from the logs).
+Each step reads and extends one :class:`Batch` (a batch's results and the phases' verdicts),
+counts its own statistics, and makes its one call into the models (the protocol's
+``tool_probability``, ``answers`` and ``confidence``, ``agents.base.drive_loops``). The
+baselines are modes of the same funnel, each a row of :data:`PLANS`: ``agent`` (IV for all),
+``small`` (II for all, III recording the confidence only) and ``both`` (every phase for every
+query, routed as ``speceyes`` would, so any gate setting can be replayed offline from the logs).
+A query's route is decided once, by :func:`route_of`, when its result is final.
 
-Two schedules give the same results for the same inputs under greedy decoding:
+Two schedules compose the same steps and give the same results for the same inputs under
+greedy decoding:
 
 - ``batched``: each batch of queries goes through I-III, then its agent loops run together.
 - ``pipelined``: phases I-III of later batches run while earlier agent loops are still going;
@@ -29,10 +36,12 @@ latency behind the judge when the two models live on different devices or server
   agent's own first-turn prompt (system prompt, image, question), byte-identical to what the
   agent then sends, so a server with prefix caching (vLLM ``--enable-prefix-caching``, on by
   default in its V1 engine; SGLang's radix cache, on unless ``--disable-radix-cache``) serves
-  the agent's first turn from the judge's cached prefill.
+  the agent's first turn from the judge's cached prefill. Only for agents whose
+  ``shares_first_prompt`` is true.
 - ``small``: the small model on the judge prompt (``judge_max_pixels`` applies too).
 - ``small-prefix``: the small model, the judge question asked after its own answer prompt, once
-  the answer is done, so a prefix-caching server prefills the image once for both.
+  the answer is done (phase II runs before phase I), so a prefix-caching server prefills the
+  image once for both.
 - ``none``: no judge; the small model answers every query and the gate alone decides.
 """
 
@@ -43,25 +52,30 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from typing import Any, Literal
 
 import numpy as np
 
 from speceyes import gate, prompts, protocols
-from speceyes.agents.base import EMPTY, END, Agent, AgentOutcome, LoopAgent, drive_loops
+from speceyes.agents.base import EMPTY, END, Agent, LoopAgent, drive_loops
 from speceyes.backends.base import Backend, BackendError, per_item
 from speceyes.images import MIN_PIXELS, load_image, resize_for_model
 from speceyes.judging import JudgeMode
 from speceyes.rates import beta_alpha
-from speceyes.types import Query, Result
+from speceyes.types import (  # the funnel's vocabulary, re-exported for older imports
+    AGENT_ONLY_MODES,
+    JUDGES,
+    MODES,
+    SCHEDULES,
+    Mode,
+    Query,
+    Result,
+    Route,
+    SpecAnswer,
+)
 
-Mode = Literal["speceyes", "agent", "small", "both", "specreason"]
-MODES: tuple[str, ...] = ("speceyes", "agent", "small", "both", "specreason")
-AGENT_ONLY_MODES = ("agent", "specreason")  # every query runs the (given) agent
-SCHEDULES: tuple[str, ...] = ("batched", "pipelined")
-JUDGES: tuple[str, ...] = ("large", "prefix", "small", "small-prefix", "none")
 # The judge question as one more user turn after a shared prefix: the published judge's
 # instructions and question (prompts.JUDGE_SYSTEM, prompts.JUDGE_SUFFIX) as one text.
 PREFIX_JUDGE_TEXT = prompts.JUDGE_SYSTEM + prompts.JUDGE_SUFFIX.lstrip("\n")
@@ -134,14 +148,73 @@ class FunnelStats:
         return beta_alpha(self.judged, self.tool_free, self.accepted)[1]
 
 
-@dataclass
-class _Front:
-    """What phases I-III leave for phase IV."""
+# ---- which phases each mode runs -----------------------------------------------------------
+STEPS: tuple[str, ...] = ("judge", "speculate", "gate", "agent")  # phases I-IV, in order
 
-    results: dict[int, Result]
-    live: dict[int, Query]
-    rest: list[int]  # queries whose final answer comes from the agent
-    agent: list[int]  # queries the agent must run (all live ones in "both" mode)
+
+@dataclass(frozen=True)
+class Plan:
+    """The phases one mode runs, and for which queries."""
+
+    judge: bool  # I on every query
+    speculate: Literal["tool_free", "all"] | None  # II for the judged tool-free or for all
+    gate: Literal["accept", "record"] | None  # III accepts, or records the confidence only
+    agent: Literal["rest", "all"] | None  # IV for the queries not accepted, or for all
+
+    @property
+    def steps(self) -> tuple[str, ...]:
+        """The steps it runs, in the paper's order (``small-prefix`` runs II before I, and
+        ``overlap`` runs them side by side)."""
+        on = (self.judge, self.speculate, self.gate, self.agent)
+        return tuple(step for step, runs in zip(STEPS, on, strict=True) if runs)
+
+
+PLANS: dict[Mode, Plan] = {
+    "speceyes": Plan(judge=True, speculate="tool_free", gate="accept", agent="rest"),
+    "both": Plan(judge=True, speculate="all", gate="accept", agent="all"),
+    "small": Plan(judge=False, speculate="all", gate="record", agent=None),
+    "agent": Plan(judge=False, speculate=None, gate=None, agent="all"),
+    "specreason": Plan(judge=False, speculate=None, gate=None, agent="all"),
+}
+
+
+def route_of(mode: str, result: Result, *, failed: bool, accepted: bool) -> Route:
+    """Where a query's final answer comes from; the one place a route is decided.
+
+    ``failed``: the query broke before phase IV (its image, a prompt, a model call), so it
+    ends as an error; ``accepted``: the gate accepted its speculative answer."""
+    if failed:
+        return "error"
+    if mode == "small":
+        return "small_only"
+    if mode in AGENT_ONLY_MODES:
+        return "specreason" if mode == "specreason" else "agent_only"
+    if accepted:
+        return "small"
+    return "agent_after_judge" if result.judge_tool else "agent_after_gate"
+
+
+def _answer_of(result: Result) -> str:
+    """The final answer its route names."""
+    if result.route in ("small", "small_only"):
+        return result.small_answer or ""
+    if result.route == "error":
+        return ""
+    return result.agent_answer or ""
+
+
+@dataclass
+class Batch:
+    """One batch on its way through the phases: each step reads it and adds its verdicts.
+
+    A query that fails leaves ``live``; its result stays, with the error."""
+
+    results: list[Result]  # one per query, in input order; each route is set once, when final
+    live: dict[int, Query]  # the queries still in play (index -> query with its image loaded)
+    tool_free: list[int] = field(default_factory=list)  # I: judged tool-free
+    answers: dict[int, SpecAnswer] = field(default_factory=dict)  # II: speculative answers
+    accepted: set[int] = field(default_factory=set)  # III: answered by the small model
+    to_agent: list[int] = field(default_factory=list)  # IV: the queries the agent runs
 
 
 class Funnel:
@@ -158,17 +231,20 @@ class Funnel:
             self.config = replace(self.config, tau=default)
         self.config.validate()
         mode = self.config.mode
-        if mode in ("speceyes", "both", *AGENT_ONLY_MODES) and (large is None or agent is None):
+        self.plan = PLANS[mode]
+        if self.plan.agent and (large is None or agent is None):
             raise ValueError(f"mode {mode!r} needs the large model and its agent")
-        if mode in ("speceyes", "both", "small") and small is None:
+        if self.plan.speculate and small is None:
             raise ValueError(f"mode {mode!r} needs the small model")
         self.small, self.large, self.agent = small, large, agent
+        name = agent.name if agent is not None else None
         self._protocol = protocols.get_protocol(self.config.protocol)
-        self._family = self._protocol.family_of(getattr(agent, "name", None))
-        if self.config.judge == "prefix" and getattr(agent, "name", None) == "thyme":
+        self._family = self._protocol.family_of(name)
+        if self.config.judge == "prefix" and agent is not None and not agent.shares_first_prompt:
             raise ValueError(
-                "--judge prefix: the Thyme agent's first prompt names a per-run sandbox file, "
-                "so no judge can share it; use large, small, small-prefix or none"
+                "--judge prefix: this agent's first prompt cannot be shared with the judge "
+                "(the Thyme agent's names a per-run sandbox file); use large, small, "
+                "small-prefix or none"
             )
         self.stats = FunnelStats()
         self._stats_lock = threading.Lock()
@@ -199,83 +275,83 @@ class Funnel:
 
     def run_batch(self, queries: Sequence[Query]) -> list[Result]:
         """All four phases for one batch; results in input order."""
-        front = self._front(queries)
-        loops = iter([(i, front.live[i]) for i in front.agent])
-        take = lambda block: next(loops, END)  # noqa: E731
-        for i, outcome, seconds in drive_loops(self.agent, take, max_active=None):
-            self._finish_agent(front, i, outcome, seconds)
-        return [front.results[i] for i in range(len(queries))]
+        batch = self._front(queries)
+        if self.plan.agent:
+            self._agent(batch)
+        return batch.results
 
-    # ---- phases I-III ---------------------------------------------------------------------
-    def _front(self, queries: Sequence[Query]) -> _Front:
+    # ---- phases I-III, composed -----------------------------------------------------------
+    def _front(self, queries: Sequence[Query]) -> Batch:
+        """Phases I-III of one batch as the mode's plan says; every result that needs no agent
+        loop is final when this returns, and ``to_agent`` names the others."""
+        plan = self.plan
+        batch = self._open(queries)
+        if plan.judge:
+            self._judge_and_speculate(batch)
+        elif plan.speculate:
+            self._speculate(batch, list(batch.live))
+        if plan.gate:
+            self._gate(batch)
+        if plan.agent == "all":
+            batch.to_agent = list(batch.live)
+        elif plan.agent == "rest":
+            batch.to_agent = [i for i in batch.live if i not in batch.accepted]
+        needs_agent = set(batch.to_agent)
+        for i in range(len(batch.results)):
+            if i not in needs_agent:
+                self._settle(batch, i)
+        return batch
+
+    def _judge_and_speculate(self, batch: Batch) -> None:
+        """Phases I and II in the order the judge variant asks for."""
         cfg = self.config
-        results: dict[int, Result] = {}
-        live: dict[int, Query] = {}
+        everyone = list(batch.live)
+        if cfg.judge == "small-prefix":
+            # The answer first: its prompt is then cached for the judge question that follows.
+            self._speculate(batch, everyone)
+            self._judge(batch)
+        elif cfg.overlap and cfg.judge != "none" and everyone:
+            with ThreadPoolExecutor(2) as pool:
+                judged = pool.submit(self._judge, batch)
+                self._speculate(batch, everyone)
+                judged.result()
+        else:
+            self._judge(batch)
+            wanted = batch.tool_free if self.plan.speculate == "tool_free" else everyone
+            self._speculate(batch, wanted)
+
+    def _open(self, queries: Sequence[Query]) -> Batch:
+        """A batch's state with every image loaded; a query whose image cannot be read fails
+        here, alone."""
+        batch = Batch(results=[Result(id=q.id, answer="") for q in queries], live={})
+        unreadable = 0
         for i, q in enumerate(queries):
             try:
-                live[i] = replace(q, image=load_image(q.image, copy=False))
+                batch.live[i] = replace(q, image=load_image(q.image, copy=False))
             except (OSError, ValueError) as e:
-                results[i] = Result(id=q.id, answer="", route="error", error=str(e))
-            else:
-                results[i] = Result(id=q.id, answer="", route="error")
-        with self._stats_lock:
-            self.stats.queries += len(queries)
-            self.stats.errors += len(queries) - len(live)
-        idx = list(live)
-        if cfg.mode in AGENT_ONLY_MODES:
-            return _Front(results, live, rest=idx, agent=idx)
-        if cfg.mode == "small":
-            self._phase_small(live, idx, results)
-            for i in (i for i in idx if i in live):
-                results[i].route, results[i].answer = "small_only", results[i].small_answer or ""
-            return _Front(results, live, rest=[], agent=[])
+                batch.results[i].error = str(e)
+                unreadable += 1
+        self._count(queries=len(queries), errors=unreadable)
+        return batch
 
-        # Phase II runs on every query in "both" mode, and with overlap it runs beside phase I.
-        small_all = cfg.mode == "both" or cfg.overlap
-        if cfg.judge == "none":
-            to_small = self._no_judge(live, results)
-            self._phase_small(live, to_small, results)
-        elif cfg.judge == "small-prefix":
-            # The answer first: its prompt is then cached for the judge question that follows.
-            self._phase_small(live, idx, results)
-            to_small = self._phase_judge(live, results)
-        elif small_all and cfg.overlap and idx:
-            with ThreadPoolExecutor(2) as pool:
-                judged = pool.submit(self._phase_judge, live, results)
-                self._phase_small(live, idx, results)
-                to_small = judged.result()
-        else:
-            to_small = self._phase_judge(live, results)
-            self._phase_small(live, idx if small_all else to_small, results)
-        if cfg.mode == "speceyes" and (cfg.overlap or cfg.judge == "small-prefix"):
-            free = set(to_small)
-            for i in idx:  # discard answers the judge did not ask for: same results as sequential
-                if i not in free:
-                    r = results[i]
-                    r.small_answer, r.small_topk, r.confidence = None, None, None
-                    r.timings.pop("small", None)
-                    r.timings.pop("gate", None)
-                    r.trace = [s for s in r.trace if s["type"] != "small"]
-        accepted = [i for i in to_small if gate.accept(results[i].confidence, cfg.tau)]
-        with self._stats_lock:
-            self.stats.tool_free += len(to_small)
-            self.stats.accepted += len(accepted)
-        for i in accepted:
-            results[i].route, results[i].answer = "small", results[i].small_answer or ""
-        taken = set(accepted)
-        rest = [i for i in idx if i not in taken and i in live]  # failed queries dropped out
-        return _Front(results, live, rest=rest, agent=idx if cfg.mode == "both" else rest)
-
-    def _phase_judge(self, live: dict[int, Query], results: dict[int, Result]) -> list[int]:
-        """Phase I over all live queries; returns the indices judged tool-free."""
+    # ---- phase I --------------------------------------------------------------------------
+    def _judge(self, batch: Batch) -> None:
+        """Phase I over every live query: P(tool) and the verdict; ``tool_free`` lists the
+        queries judged tool-free (a failed judgment counts as "tools needed")."""
         cfg = self.config
-        idx = list(live)
+        idx = list(batch.live)
+        if cfg.judge == "none":  # no model call: every query goes on to the gate
+            for i in idx:
+                batch.results[i].judge_tool = False
+            batch.tool_free = idx
+            self._count(judged=len(idx))
+            return
         if not idx:
-            return []
+            return
         backend, build = self._judge_setup()
-        idx, msgs = self._messages(build, live, idx, results)
+        idx, msgs = self._messages(build, batch, idx)
         if not idx:
-            return []
+            return
         t0 = time.perf_counter()
         try:
             p_tools = per_item(
@@ -285,24 +361,23 @@ class Funnel:
         except BackendError as e:
             p_tools = [e] * len(idx)
         per = (time.perf_counter() - t0) / len(idx)
-        to_small = []
+        tool_free = []
         for i, p in zip(idx, p_tools, strict=True):
             if isinstance(p, BackendError):
                 # A failed judgment is treated as "tools needed": correctness first.
-                results[i].trace.append({"type": "judge_error", "error": str(p)})
+                batch.results[i].trace.append({"type": "judge_error", "error": str(p)})
                 p = 1.0
             elif isinstance(p, Exception):
-                self._fail(live, results, i, p)
+                self._fail(batch, i, p)
                 continue
-            r = results[i]
+            r = batch.results[i]
             r.p_tool = float(p)
             r.judge_tool = bool(p >= cfg.judge_threshold)
             r.timings["judge"] = per
             if not r.judge_tool:
-                to_small.append(i)
-        with self._stats_lock:
-            self.stats.judged += len(idx)
-        return to_small
+                tool_free.append(i)
+        batch.tool_free = tool_free
+        self._count(judged=len(idx))
 
     def _judge_setup(self) -> tuple[Backend, Callable[..., list[dict]]]:
         """Phase I's model and prompt builder ``(image, question, options) -> messages`` for
@@ -325,24 +400,15 @@ class Funnel:
         query = Query(id="judge", image=image, question=question, options=options)
         return [*self.agent.first_messages(query), _judge_turn()]
 
-    def _no_judge(self, live: dict[int, Query], results: dict[int, Result]) -> list[int]:
-        """``judge="none"``: every live query goes to the small model and the gate."""
-        idx = list(live)
-        for i in idx:
-            results[i].judge_tool = False
-        with self._stats_lock:
-            self.stats.judged += len(idx)
-        return idx
-
-    def _phase_small(
-        self, live: dict[int, Query], idx: Sequence[int], results: dict[int, Result]
-    ) -> None:
-        """Phases II and III: speculative answers and their confidence."""
+    # ---- phase II -------------------------------------------------------------------------
+    def _speculate(self, batch: Batch, idx: Sequence[int]) -> None:
+        """Phase II: the small model's answers for ``idx``, each with the top-K values of
+        every generated token."""
         cfg = self.config
         if not idx:
             return
         build = partial(self._protocol.small_messages, self._family)
-        idx, msgs = self._messages(build, live, idx, results)
+        idx, msgs = self._messages(build, batch, idx)
         if not idx:
             return
         t0 = time.perf_counter()
@@ -360,81 +426,121 @@ class Funnel:
         except BackendError as e:
             got = [e] * len(idx)
         per = (time.perf_counter() - t0) / len(idx)
-        answered = []
         for i, a in zip(idx, got, strict=True):
+            r = batch.results[i]
             if isinstance(a, BackendError):  # no speculative answer: the gate cannot accept
-                results[i].timings["small"] = per
-                results[i].trace.append({"type": "small_error", "error": str(a)})
+                r.timings["small"] = per
+                r.trace.append({"type": "small_error", "error": str(a)})
             elif isinstance(a, Exception):
-                self._fail(live, results, i, a)
+                self._fail(batch, i, a)
             else:
-                answered.append((i, a))
-        if not answered:
-            return
-        idx, answers = [i for i, _ in answered], [a for _, a in answered]
-        t1 = time.perf_counter()
-        conf = self._protocol.confidence(
-            self.small, answers, top_k=cfg.top_k, agg=cfg.agg, alpha=cfg.alpha
-        )
-        per_gate = (time.perf_counter() - t1) / len(idx)
-        for i, a, c in zip(idx, answers, conf, strict=True):
-            r = results[i]
-            r.small_answer = a.text
-            r.small_topk = a.topk
-            r.confidence = None if np.isnan(c) else float(c)
-            r.timings["small"] = per
-            r.timings["gate"] = per_gate
-            r.trace.append({"type": "small", "text": a.text, "tokens": len(a.topk)})
+                r.small_answer = a.text
+                r.small_topk = a.topk
+                r.timings["small"] = per
+                r.trace.append({"type": "small", "text": a.text, "tokens": len(a.topk)})
+                batch.answers[i] = a
 
-    # ---- one query's failure stays its own -------------------------------------------------
+    # ---- phase III ------------------------------------------------------------------------
+    def _gate(self, batch: Batch) -> None:
+        """Phase III: the confidence of every speculative answer, then (unless the plan only
+        records it) acceptance of the judged tool-free answers with confidence > tau."""
+        cfg = self.config
+        if batch.answers:
+            idx = list(batch.answers)
+            t0 = time.perf_counter()
+            conf = self._protocol.confidence(
+                self.small,
+                list(batch.answers.values()),
+                top_k=cfg.top_k,
+                agg=cfg.agg,
+                alpha=cfg.alpha,
+            )
+            per = (time.perf_counter() - t0) / len(idx)
+            for i, c in zip(idx, conf, strict=True):
+                r = batch.results[i]
+                r.confidence = None if np.isnan(c) else float(c)
+                r.timings["gate"] = per
+        if self.plan.gate == "record":
+            return
+        if self.plan.speculate == "tool_free":
+            # Answers the judge did not ask for (overlap, small-prefix) are discarded, so the
+            # results equal those of the judge-first order.
+            free = set(batch.tool_free)
+            for i, r in enumerate(batch.results):
+                if i not in free:
+                    r.small_answer, r.small_topk, r.confidence = None, None, None
+                    r.timings.pop("small", None)
+                    r.timings.pop("gate", None)
+                    r.trace = [s for s in r.trace if s["type"] != "small"]
+        results = batch.results
+        accepted = [i for i in batch.tool_free if gate.accept(results[i].confidence, cfg.tau)]
+        batch.accepted = set(accepted)
+        self._count(tool_free=len(batch.tool_free), accepted=len(accepted))
+
+    # ---- phase IV -------------------------------------------------------------------------
+    def _agent(self, batch: Batch) -> None:
+        """Phase IV for one batch (the batched schedule): its agent loops run together."""
+        pending = iter(batch.to_agent)
+
+        def take(block: bool) -> Any:
+            i = next(pending, None)
+            return END if i is None else ((batch, i), batch.live[i])
+
+        for _ in self._agent_loops(take, max_active=None):
+            pass
+
+    def _agent_loops(self, take: Callable[[bool], Any], max_active: int | None) -> Iterator[Result]:
+        """Agent loops for the ``(batch, index)`` keys ``take`` hands out, in continuous batches
+        (``agents.base.drive_loops``); yields each query's final result as its loop ends."""
+        for (batch, i), out, seconds in drive_loops(self.agent, take, max_active):
+            r = batch.results[i]
+            r.agent_answer = out.answer
+            r.tool_calls = out.tool_calls
+            r.invalid_tool_calls = out.invalid_tool_calls
+            r.timings["agent"] = seconds
+            r.trace.extend(out.trace)
+            if out.error:
+                r.error = out.error
+            yield self._settle(batch, i)
+
+    # ---- a query's end --------------------------------------------------------------------
+    def _settle(self, batch: Batch, i: int) -> Result:
+        """Query ``i``'s result made final: its route, and the answer that route names."""
+        r = batch.results[i]
+        failed, accepted = i not in batch.live, i in batch.accepted
+        r.route = route_of(self.config.mode, r, failed=failed, accepted=accepted)
+        r.answer = _answer_of(r)
+        return r
+
     def _messages(
-        self,
-        build: Callable[..., list[dict]],
-        live: dict[int, Query],
-        idx: Sequence[int],
-        results: dict[int, Result],
+        self, build: Callable[..., list[dict]], batch: Batch, idx: Sequence[int]
     ) -> tuple[list[int], list[list[dict]]]:
         """Prompts of the live queries in ``idx``; a query whose prompt cannot be built fails."""
         kept, msgs = [], []
         for i in idx:
-            q = live.get(i)  # gone: failed in a phase running beside this one
+            q = batch.live.get(i)  # gone: failed in a phase running beside this one
             if q is None:
                 continue
             try:
                 msgs.append(build(q.image, q.question, q.options))
             except Exception as e:
-                self._fail(live, results, i, e)
+                self._fail(batch, i, e)
                 continue
             kept.append(i)
         return kept, msgs
 
-    def _fail(
-        self, live: dict[int, Query], results: dict[int, Result], i: int, e: BaseException
-    ) -> None:
-        """Query ``i`` ends as an error result; its batch-mates go on without it."""
-        if live.pop(i, None) is None:
+    def _fail(self, batch: Batch, i: int, e: BaseException) -> None:
+        """Query ``i`` leaves the batch with the error; its batch-mates go on without it."""
+        if batch.live.pop(i, None) is None:
             return
-        r = results[i]
-        r.route, r.answer, r.error = "error", "", f"{type(e).__name__}: {e}"
-        with self._stats_lock:
-            self.stats.errors += 1
+        batch.results[i].error = f"{type(e).__name__}: {e}"
+        self._count(errors=1)
 
-    # ---- phase IV -------------------------------------------------------------------------
-    def _finish_agent(self, front: _Front, i: int, out: AgentOutcome, seconds: float) -> None:
-        r = front.results[i]
-        r.agent_answer = out.answer
-        r.tool_calls = out.tool_calls
-        r.invalid_tool_calls = out.invalid_tool_calls
-        r.timings["agent"] = seconds
-        r.trace.extend(out.trace)
-        if out.error:
-            r.error = out.error
-        if i in front.rest:
-            r.answer = out.answer
-            if self.config.mode in AGENT_ONLY_MODES:
-                r.route = "specreason" if self.config.mode == "specreason" else "agent_only"
-            else:
-                r.route = "agent_after_judge" if r.judge_tool else "agent_after_gate"
+    def _count(self, **deltas: int) -> None:
+        """Add to the running counts (steps of different batches may run at the same time)."""
+        with self._stats_lock:
+            for name, n in deltas.items():
+                setattr(self.stats, name, getattr(self.stats, name) + n)
 
     # ---- pipelined schedule ---------------------------------------------------------------
     def _iter_pipelined(self, batches: Iterable[Sequence[Query]]) -> Iterator[Result]:
@@ -450,13 +556,13 @@ class Funnel:
                 for chunk in batches:
                     if stop.is_set():
                         return
-                    f = self._front(chunk)
-                    needs = set(f.agent)
-                    for i in range(len(chunk)):
-                        if i not in needs:
-                            out_q.put(f.results[i])
-                    for i in f.agent:
-                        agent_q.put((f, i))
+                    batch = self._front(chunk)
+                    needs_agent = set(batch.to_agent)
+                    for i, r in enumerate(batch.results):
+                        if i not in needs_agent:
+                            out_q.put(r)
+                    for i in batch.to_agent:
+                        agent_q.put((batch, i))
             except BaseException as e:  # surfaced to the consumer below
                 out_q.put(e)
             finally:
@@ -471,14 +577,13 @@ class Funnel:
                 return EMPTY
             if item is done:
                 return END
-            f, i = item
-            return (f, i), f.live[i]
+            batch, i = item
+            return (batch, i), batch.live[i]
 
         def back() -> None:
             try:
-                for (f, i), outcome, seconds in drive_loops(self.agent, take, cfg.max_agent_loops):
-                    self._finish_agent(f, i, outcome, seconds)
-                    out_q.put(f.results[i])
+                for r in self._agent_loops(take, cfg.max_agent_loops):
+                    out_q.put(r)
             except BaseException as e:
                 out_q.put(e)
             finally:

@@ -16,12 +16,11 @@ logits over the same K.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
 
 import numpy as np
 
-Aggregation = Literal["min", "mean", "bottom", "log"]
-AGGREGATIONS: tuple[str, ...] = ("min", "mean", "bottom", "log")
+from speceyes.types import AGGREGATIONS, Aggregation  # defined with the other names; re-exported
+
 EPS = 1e-6
 DEFAULT_TOP_K = 64
 DEFAULT_ALPHA = 0.6

@@ -16,6 +16,18 @@ ROUTES: tuple[Route, ...] = get_args(Route)
 # The funnel's timed phases, the keys of Result.timings (a server adds "queue" and "total").
 PHASES: tuple[str, ...] = ("judge", "small", "gate", "agent")
 
+# The funnel's settings by name (speceyes.funnel and speceyes.gate use these; a module that only
+# checks a name imports them from here, without the funnel, its models or numpy).
+Mode = Literal["speceyes", "agent", "small", "both", "specreason"]
+MODES: tuple[Mode, ...] = get_args(Mode)
+AGENT_ONLY_MODES: tuple[Mode, ...] = ("agent", "specreason")  # every query runs the (given) agent
+Schedule = Literal["batched", "pipelined"]
+SCHEDULES: tuple[Schedule, ...] = get_args(Schedule)
+JudgeVariant = Literal["large", "prefix", "small", "small-prefix", "none"]  # who answers phase I
+JUDGES: tuple[JudgeVariant, ...] = get_args(JudgeVariant)
+Aggregation = Literal["min", "mean", "bottom", "log"]  # the gate's aggregation over tokens
+AGGREGATIONS: tuple[Aggregation, ...] = get_args(Aggregation)
+
 # A run directory (speceyes eval, read by regate, calibrate, report and view).
 RUN_CONFIG_FILE = "run.json"  # the configuration, written first
 SAMPLES_FILE = "samples.jsonl"  # one line per query, appended as each finishes
@@ -71,7 +83,7 @@ class Result:
 
     id: str
     answer: str
-    route: Route
+    route: Route | None = None  # None only until the funnel decides it (never in its output)
     confidence: float | None = None
     p_tool: float | None = None
     small_answer: str | None = None

@@ -156,3 +156,135 @@ def test_agent_loops_join_as_others_finish(q25):
     outs = ZoomAgent(be).run([q(0), q(1), q(2)], max_active=2)
     assert [o.answer for o in outs] == ["a", "b", "c"]
     assert [len(step) for step in be.seen] == [2, 2, 1]
+
+
+class _StepLog(Funnel):
+    """A funnel that records which of its four steps ran, in order."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.ran: list[str] = []
+
+    def _judge(self, batch):
+        self.ran.append("judge")
+        super()._judge(batch)
+
+    def _speculate(self, batch, idx):
+        self.ran.append("speculate")
+        super()._speculate(batch, idx)
+
+    def _gate(self, batch):
+        self.ran.append("gate")
+        super()._gate(batch)
+
+    def _agent(self, batch):
+        self.ran.append("agent")
+        super()._agent(batch)
+
+
+@pytest.mark.parametrize(
+    ("mode", "judge", "steps"),
+    [
+        ("speceyes", "large", ["judge", "speculate", "gate", "agent"]),
+        ("both", "large", ["judge", "speculate", "gate", "agent"]),
+        ("small", "large", ["speculate", "gate"]),
+        ("agent", "large", ["agent"]),
+        ("speceyes", "small-prefix", ["speculate", "judge", "gate", "agent"]),  # answer first
+    ],
+)
+def test_each_mode_runs_its_steps(parts, mode, judge, steps):
+    from speceyes.funnel import MODES, PLANS
+
+    assert set(PLANS) == set(MODES)
+    f = _StepLog(*parts, FunnelConfig(mode=mode, judge=judge, tau=0.5, batch_size=2))
+    res = f.run(queries(2))
+    assert f.ran == steps and sorted(PLANS[mode].steps) == sorted(steps)
+    if mode == "small":  # the gate only records: nothing accepted, no agent
+        assert all(r.confidence is not None and r.route == "small_only" for r in res)
+        assert f.stats.tool_free == f.stats.accepted == 0
+    assert PLANS["specreason"].steps == PLANS["agent"].steps == ("agent",)
+
+
+@pytest.mark.parametrize("schedule", ["batched", "pipelined"])
+@pytest.mark.parametrize("mode", ["speceyes", "both", "small", "agent"])
+def test_each_route_is_decided_once(parts, tmp_path, monkeypatch, mode, schedule):
+    from collections import Counter
+
+    from speceyes import funnel as funnel_module
+
+    decided: Counter = Counter()
+    real = funnel_module.route_of
+
+    def counting(mode_, result, **facts):
+        assert result.route is None  # nothing set it before
+        decided[result.id] += 1
+        return real(mode_, result, **facts)
+
+    monkeypatch.setattr(funnel_module, "route_of", counting)
+    bad = tmp_path / "corrupt.png"
+    bad.write_bytes(b"\x89PNG\r\n\x1a\n garbage")
+    qs = [*queries(3), Query(id="bad", image=str(bad), question="?")]
+    f = Funnel(*parts, FunnelConfig(mode=mode, tau=0.5, batch_size=2, schedule=schedule))
+    res = f.run(qs)
+    assert decided == Counter(r.id for r in qs)
+    assert {r.id: r.route for r in res}["bad"] == "error"
+    assert all(r.route is not None for r in res)
+
+
+def test_route_of_names_where_the_answer_comes_from():
+    from speceyes.funnel import route_of
+    from speceyes.types import MODES, Result
+
+    judged_tool, judged_free = Result(id="t", answer="", judge_tool=True), Result(id="f", answer="")
+    for mode in MODES:
+        assert route_of(mode, judged_free, failed=True, accepted=False) == "error"
+    assert route_of("small", judged_free, failed=False, accepted=False) == "small_only"
+    assert route_of("agent", judged_free, failed=False, accepted=False) == "agent_only"
+    assert route_of("specreason", judged_free, failed=False, accepted=False) == "specreason"
+    for mode in ("speceyes", "both"):
+        assert route_of(mode, judged_free, failed=False, accepted=True) == "small"
+        assert route_of(mode, judged_free, failed=False, accepted=False) == "agent_after_gate"
+        assert route_of(mode, judged_tool, failed=False, accepted=False) == "agent_after_judge"
+
+
+def _without_times(r) -> dict:
+    d = r.to_dict()
+    d.pop("timings")
+    d["trace"] = [{k: v for k, v in s.items() if k != "seconds"} for s in d["trace"]]
+    return d
+
+
+@pytest.mark.parametrize("mode", ["speceyes", "both", "small", "agent"])
+def test_pipelined_and_batched_give_identical_results(parts, tmp_path, mode):
+    """Every logged field but the timings, exactly, and the same counts, with a failed query."""
+    bad = tmp_path / "corrupt.png"
+    bad.write_bytes(b"\x89PNG\r\n\x1a\n garbage")
+    qs = queries(5)
+    qs.insert(2, Query(id="bad", image=str(bad), question="?"))
+
+    def run_with(schedule):
+        cfg = FunnelConfig(mode=mode, tau=0.5, batch_size=2, schedule=schedule, max_agent_loops=2)
+        f = Funnel(*parts, cfg)
+        return f, {r.id: r for r in f.run(qs)}
+
+    fb, batched = run_with("batched")
+    fp, piped = run_with("pipelined")
+    assert list(batched) == [q.id for q in qs]
+    assert {i: _without_times(r) for i, r in piped.items()} == {
+        i: _without_times(r) for i, r in batched.items()
+    }
+    assert all((r.small_topk is None) == (piped[i].small_topk is None) for i, r in batched.items())
+    assert fp.stats == fb.stats
+
+
+@pytest.mark.parametrize("schedule", ["batched", "pipelined"])
+def test_both_mode_keeps_a_failed_query_out_of_the_agent(parts, schedule):
+    """A query whose prompt breaks the tokenizer (a lone surrogate) fails alone in "both" mode
+    too, though that mode runs the agent for every query."""
+    qs = queries(2)
+    qs.insert(1, Query(id="bad", image=qs[0].image, question="What \ud800 color?"))
+    f = Funnel(*parts, FunnelConfig(mode="both", tau=0.5, batch_size=3, schedule=schedule))
+    got = {r.id: r for r in f.run(qs)}
+    assert got["bad"].route == "error" and got["bad"].error and got["bad"].agent_answer is None
+    assert all(got[i].route != "error" and got[i].agent_answer is not None for i in ("q0", "q1"))
+    assert f.stats.errors == 1

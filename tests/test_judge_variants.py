@@ -200,11 +200,18 @@ def test_config_errors(q3, q25):
     with pytest.raises(ValueError, match=">= 3136"):
         FunnelConfig(judge="large", judge_max_pixels=100).validate()
 
-    class Thyme:
-        name = "thyme"
+    from speceyes.agents.code import CodeAgent
 
-    with pytest.raises(ValueError, match="Thyme"):
-        Funnel(q3, q25, Thyme(), FunnelConfig(judge="prefix"))
+    class Agent:
+        def __init__(self, shares: bool) -> None:
+            self.name, self.shares_first_prompt = "thyme", shares
+
+    # The agent's own flag decides (the Thyme code agent's first prompt names a sandbox file).
+    assert CodeAgent.shares_first_prompt is False
+    with pytest.raises(ValueError, match="cannot be shared with the judge"):
+        Funnel(q3, q25, Agent(shares=False), FunnelConfig(judge="prefix"))
+    Funnel(q3, q25, Agent(shares=True), FunnelConfig(judge="prefix"))  # not its name
+    Funnel(q3, q25, Agent(shares=False), FunnelConfig(judge="small-prefix"))
 
 
 def test_cli_flags_reach_the_config():
