@@ -72,12 +72,6 @@ def reference(miniworld_queries):
     return hf, results
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="VLLMBackend ignores the checkpoint's pixel limits (preprocessor_config.json "
-    "size.longest_edge=50176 for the bundled models) and uses the family default 16384*28*28: "
-    "vLLM sees the 1024x1024 scenes at 1036x1036, transformers at 224x224",
-)
 def test_offline_engine_agrees_with_transformers(reference, miniworld_queries):
     from speceyes.backends.vllm import VLLMBackend
 

@@ -14,8 +14,10 @@ CPU against stand-ins of those types.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Collection, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -64,8 +66,11 @@ class VLLMBackend:
         self.name = name or model.rstrip("/").rsplit("/", 1)[-1]
         self.family = family
         self.box_coords, self.factor = FAMILIES[family]
-        self.min_pixels = min_pixels or 4 * self.factor**2
-        self.max_pixels = max_pixels or 16384 * self.factor**2
+        # The checkpoint's own limits first, as HFBackend reads them (the bundled mini-world
+        # models state 224x224 at most), then the family default.
+        ckpt_min, ckpt_max = checkpoint_pixel_limits(model)
+        self.min_pixels = min_pixels or ckpt_min or 4 * self.factor**2
+        self.max_pixels = max_pixels or ckpt_max or 16384 * self.factor**2
         self.max_logprobs = max_logprobs
         self.max_images = max_images  # per prompt; agents that add images stay under it
         self.llm = LLM(
@@ -167,6 +172,22 @@ class VLLMBackend:
             turns.append(ChatTurn(text=text, finish_reason=finish, stop=which, tokens=len(c.token_ids)))
         return turns
 
+
+
+def checkpoint_pixel_limits(model: str) -> tuple[int | None, int | None]:
+    """(min, max) pixels a local checkpoint's ``preprocessor_config.json`` states: its ``size``
+    (``shortest_edge`` / ``longest_edge``, what HFBackend's image processor holds), else the
+    older ``min_pixels`` / ``max_pixels`` keys; None for a limit not stated, a hub id or an
+    unreadable file."""
+    try:
+        cfg = json.loads((Path(model).expanduser() / "preprocessor_config.json").read_text())
+    except (OSError, ValueError):
+        return None, None
+    size = cfg.get("size") if isinstance(cfg.get("size"), dict) else {}
+    return (
+        size.get("shortest_edge") or cfg.get("min_pixels"),
+        size.get("longest_edge") or cfg.get("max_pixels"),
+    )
 
 
 # ---- the engine's outputs, read without the engine ---------------------------------------------
