@@ -53,6 +53,21 @@ def add_model_args(p: argparse.ArgumentParser, *, required: bool = True) -> None
         default=20,
         help="top_logprobs cap of the servers behind URLs (vLLM: --max-logprobs)",
     )
+    # A URL does not say its model's image limits; a folder's preprocessor_config.json does.
+    g.add_argument(
+        "--min-pixels",
+        type=int,
+        default=None,
+        help="smallest image (pixels) the models behind URLs see (default: the family's, 4 "
+        "visual tokens); a checkpoint states it as size.shortest_edge",
+    )
+    g.add_argument(
+        "--max-pixels",
+        type=int,
+        default=None,
+        help="largest image (pixels) the models behind URLs see (default: the family's, 16384 "
+        "visual tokens); a checkpoint states it as size.longest_edge",
+    )
 
 
 def add_funnel_args(p: argparse.ArgumentParser) -> None:
@@ -231,6 +246,8 @@ def settings_from_args(args: argparse.Namespace):
             attn=args.attn,
             tensor_parallel_size=args.tensor_parallel_size,
             max_logprobs=args.max_logprobs,
+            min_pixels=getattr(args, "min_pixels", None),
+            max_pixels=getattr(args, "max_pixels", None),
         ),
         agent=factory.AgentSettings(
             kind=kind,

@@ -3,13 +3,14 @@
 The bundled mini-world large model answers a few level-1 mini-world questions through the whole
 funnel in ``both`` mode (judge, speculative answer, gate, and the manifest's search agent for
 every query), built from the public entry points: ``factory.make_backend`` for transformers,
-``VLLMBackend`` for the offline engine, ``OpenAIBackend`` for the server, and
+``VLLMBackend`` for the offline engine, ``factory.make_backend`` for the server's URL, and
 ``factory.assemble_funnel`` over each (the model plays both roles). Under greedy decoding the
 runtimes must agree: same answers, routes and tool calls, gate confidences and judge
 probabilities within 1e-3.
 
 The server's client is given the model folder's pixel limits (a client cannot read them from a
-URL); the offline engine is given nothing, and must find them in the folder as transformers does.
+URL: the CLI's ``--min-pixels``/``--max-pixels``); the offline engine is given nothing, and must
+find them in the folder as transformers does.
 
 Runs under the vLLM environment's interpreter (see tests/vllm_support.py).
 """
@@ -93,13 +94,12 @@ def test_offline_engine_agrees_with_transformers(reference, miniworld_queries):
 
 
 def test_server_agrees_with_transformers(reference, vllm_server, miniworld_queries):
-    from speceyes.backends.openai import OpenAIBackend
-
     hf, ref = reference
-    with OpenAIBackend(
-        vllm_server.url, family=hf.family, max_logprobs=MAX_LOGPROBS, max_images=MAX_IMAGES,
-        min_pixels=hf.min_pixels, max_pixels=hf.max_pixels,
-    ) as served:  # fmt: skip
+    # As the CLI builds it from --max-logprobs 64 --min-pixels ... --max-pixels ...
+    settings = factory.BackendSettings(
+        max_logprobs=MAX_LOGPROBS, min_pixels=hf.min_pixels, max_pixels=hf.max_pixels
+    )
+    with factory.make_backend(vllm_server.url, hf.family, settings) as served:
         got = funnel_over(served).run(miniworld_queries)
     diffs = differences(ref, got)
     assert not diffs, "vLLM server vs transformers:\n" + "\n".join(diffs)
