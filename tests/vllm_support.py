@@ -62,6 +62,9 @@ def vllm_env() -> dict[str, str]:
     return {
         "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; see the module docstring
         "VLLM_NO_USAGE_STATS": "1",  # vLLM reports usage off the machine unless told not to
+        # vLLM's processes talk over the address of the default route unless told otherwise.
+        "VLLM_HOST_IP": "127.0.0.1",
+        "VLLM_LOOPBACK_IP": "127.0.0.1",
         "DO_NOT_TRACK": "1",
         "HF_HUB_OFFLINE": "1",  # models are local folders; nothing is downloaded
         "TOKENIZERS_PARALLELISM": "false",
