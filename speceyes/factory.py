@@ -46,6 +46,9 @@ class BackendSettings:
     attn: str | None = None  # attention implementation, e.g. "sdpa"
     tensor_parallel_size: int = 1  # vLLM only
     max_logprobs: int = 20  # top_logprobs cap of the servers behind URLs
+    # Image limits of the models behind URLs (a folder states its own); None: the family's.
+    min_pixels: int | None = None
+    max_pixels: int | None = None
 
 
 @dataclass
@@ -142,6 +145,8 @@ class Settings:
                 attn=arg("attn"),
                 tensor_parallel_size=arg("tensor_parallel_size", b.tensor_parallel_size),
                 max_logprobs=arg("max_logprobs", b.max_logprobs),
+                min_pixels=arg("min_pixels"),
+                max_pixels=arg("max_pixels"),
             ),
             agent=AgentSettings(
                 kind=kind,
@@ -293,6 +298,8 @@ def make_backend(
             [u.strip() for u in spec.split(",") if u.strip()],
             family=family,
             max_logprobs=b.max_logprobs,
+            min_pixels=b.min_pixels,
+            max_pixels=b.max_pixels,
         )
     if b.engine == "vllm":
         from speceyes.backends.vllm import VLLMBackend

@@ -14,6 +14,9 @@ from PIL import Image, ImageDraw
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
+# Real vLLM: one OpenAI server per session and the mini-world queries the vLLM tests ask.
+from tests.vllm_support import miniworld_queries, vllm_server  # noqa: E402, F401
+
 
 @pytest.fixture(scope="session")
 def tiny_dirs(tmp_path_factory):

@@ -14,8 +14,10 @@ CPU against stand-ins of those types.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Collection, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -58,8 +60,11 @@ class VLLMBackend:
             from transformers import AutoConfig
 
             family = AutoConfig.from_pretrained(model).model_type
+        # The checkpoint's own limits first, as HFBackend reads them (the bundled mini-world
+        # models state 224x224 at most), then the family default.
+        ckpt_min, ckpt_max = checkpoint_pixel_limits(model)
         self.box_coords, self.factor, self.min_pixels, self.max_pixels = view_geometry(
-            family, min_pixels=min_pixels, max_pixels=max_pixels
+            family, min_pixels=min_pixels or ckpt_min, max_pixels=max_pixels or ckpt_max
         )
         self.name = name or model.rstrip("/").rsplit("/", 1)[-1]
         self.family = family
@@ -152,6 +157,23 @@ class VLLMBackend:
             finish = "length" if c.finish_reason == "length" else "stop"
             turns.append(ChatTurn(text=text, finish_reason=finish, stop=which, tokens=len(c.token_ids)))
         return turns
+
+
+
+def checkpoint_pixel_limits(model: str) -> tuple[int | None, int | None]:
+    """(min, max) pixels a local checkpoint's ``preprocessor_config.json`` states: its ``size``
+    (``shortest_edge`` / ``longest_edge``, what HFBackend's image processor holds), else the
+    older ``min_pixels`` / ``max_pixels`` keys; None for a limit not stated, a hub id or an
+    unreadable file."""
+    try:
+        cfg = json.loads((Path(model).expanduser() / "preprocessor_config.json").read_text())
+    except (OSError, ValueError):
+        return None, None
+    size = cfg.get("size") if isinstance(cfg.get("size"), dict) else {}
+    return (
+        size.get("shortest_edge") or cfg.get("min_pixels"),
+        size.get("longest_edge") or cfg.get("max_pixels"),
+    )
 
 
 # ---- the engine's outputs, read without the engine ---------------------------------------------

@@ -75,6 +75,21 @@ def add_model_args(p: argparse.ArgumentParser, *, required: bool = True) -> None
         help="top_logprobs cap of the servers behind URLs (vLLM: --max-logprobs) "
         f"(default: {b.max_logprobs})",
     )
+    # A URL does not say its model's image limits; a folder's preprocessor_config.json does.
+    g.add_argument(
+        "--min-pixels",
+        type=int,
+        default=b.min_pixels,
+        help="smallest image (pixels) the models behind URLs see (default: the family's, 4 "
+        "visual tokens); a checkpoint states it as size.shortest_edge",
+    )
+    g.add_argument(
+        "--max-pixels",
+        type=int,
+        default=b.max_pixels,
+        help="largest image (pixels) the models behind URLs see (default: the family's, 16384 "
+        "visual tokens); a checkpoint states it as size.longest_edge",
+    )
 
 
 def add_funnel_args(p: argparse.ArgumentParser) -> None:

