@@ -223,6 +223,8 @@ class Server(ServerState):
                     type="timeout_error",
                 )
         except RequestError as e:
+            if e.code == "body_timeout":
+                return await _answer_and_close(request, _refused(e))
             return _refused(e)
         except ClientGone as e:
             # Nobody to answer: one line in the log, no traceback.
@@ -402,11 +404,24 @@ class Server(ServerState):
 
 def _refused(e: RequestError) -> web.Response:
     """The JSON error for a refused request (with Retry-After on a 429). A body left unread is
-    drained by aiohttp for at most its lingering time after the answer is sent."""
+    drained by aiohttp after the answer, for at most its lingering time, so that the client
+    reads the answer."""
     headers = {"Retry-After": "1"} if e.status == 429 else None
     return error_response(
         e.status, e.message, code=e.code, type=e.type, param=e.param, headers=headers
     )
+
+
+async def _answer_and_close(request: web.Request, resp: web.Response) -> web.Response:
+    """Send ``resp`` now and close the connection: the rest of a body too slow to arrive is
+    not waited for (aiohttp would linger reading it, even after the client has gone)."""
+    resp.headers[REQUEST_ID_HEADER] = request[RID_KEY]
+    resp.force_close()
+    await resp.prepare(request)
+    await resp.write_eof()
+    if request.protocol is not None:
+        request.protocol.force_close()
+    return resp
 
 
 STATE_KEY = web.AppKey("speceyes", Server)
