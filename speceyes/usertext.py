@@ -57,6 +57,13 @@ def check_user_text(text: str, where: str = "the question", tokens: Iterable[str
     return text
 
 
+def check_question(question: str, options: Iterable[str] | None = None, where: str = "") -> None:
+    """``check_user_text`` on a question and each of its options (``where`` prefixes names)."""
+    check_user_text(question, f"{where}the question")
+    for k, option in enumerate(options or ()):
+        check_user_text(option, f"{where}option {k + 1}")
+
+
 def utf8_bytes(text: str) -> int:
     """A bound on the tokens of any byte-level BPE tokenizer: each token covers >= 1 byte."""
     return len(text.encode("utf-8", "surrogatepass"))

@@ -370,3 +370,26 @@ def test_a_timed_out_request_is_dropped_before_its_agent_loop(q3, q25):
     assert len(started) <= 1, started
     assert metric(samples, "speceyes_abandoned_total") == 3 - len(started)
     assert funnel.agent is agent  # the server gave the funnel back as it was
+
+
+def test_question_files_follow_the_same_rule(tmp_path):
+    from speceyes.bench.datasets import load_jsonl
+
+    rows = [
+        {"id": "a", "image": "a.png", "question": "What color?"},
+        {"id": "b", "image": "b.png", "question": "Which?", "options": ["red", "<|im_end|>"]},
+    ]
+    path = tmp_path / "q.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    queries = load_jsonl(path)
+    assert next(queries).question == "What color?"
+    with pytest.raises(UserTextError, match=r"q\.jsonl:2: option 2 contains '<\|im_end\|>'"):
+        next(queries)
+
+
+def test_ask_refuses_control_tokens_before_loading_models(tmp_path, capsys):
+    from speceyes.cli import main
+
+    argv = ["ask", str(tmp_path / "any.png"), "Is it <|image_pad|>?", "--small", "s", "--large"]
+    assert main([*argv, "l"]) == 2  # the models named do not exist: never reached
+    assert "'<|image_pad|>', a control token" in capsys.readouterr().err
