@@ -21,8 +21,8 @@ the last schedule again with 10% hostile requests mixed in: those of tests/tools
 token limit), chat-template control tokens, PNG headers of 9400x9400 and past PIL's bomb limit,
 a 1x30000 image, deeply nested JSON, a million JSON values, a gzip bomb, a brotli body), and
 the attacks an HTTP client library would not send: a wrong API key, non-UTF-8 bytes in the key,
-a 30 MB body of ten million JSON values, a 1 GiB gzip bomb, a 16-bit 6300x6300 PNG (under the
-pixel limit as width x height, over it as decoded bytes), clients that disconnect mid-body.
+a 30 MB body of ten million JSON values, a 1 GiB gzip bomb, a 32-bit float 6300x6300 TIFF (under
+the pixel limit as width x height, over it as decoded bytes), clients that disconnect mid-body.
 Beside them for the whole run, ``--slow-clients`` connections (default: more than
 ``--max-queue``) send their bodies one byte every 2 s, and a probe reads ``/health`` every
 0.1 s. It checks: every valid request answered correctly (its p95 within 2x the clean run's),
@@ -40,6 +40,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
+import io
 import json
 import logging
 import os
@@ -110,12 +112,12 @@ def _raw_post(headers: bytes, body: bytes) -> bytes:
 def hostile_requests(image_uri: str) -> list[Attack]:
     """The attacks the server must answer with a JSON 4xx: the tests' set
     (tests/tools/hostile.py) with the right key, and the ones only a benchmark sends."""
-    from tests.tools.hostile import gzip_bomb, image_part, png_image, text_part, user_request
+    from tests.tools.hostile import gzip_bomb, image_part, text_part, user_request
     from tests.tools.hostile import hostile_requests as attacks
 
     key = {"Authorization": f"Bearer {API_KEY}"}
     valid = json.dumps(user_request(image_part(image_uri), text_part("What color?"))).encode()
-    sixteen = user_request(image_part(png_image(6300, 6300, bits=16)), text_part("What?"))
+    heavy = user_request(image_part(float_tiff(6300, 6300)), text_part("What?"))
     return [Attack(a.name, a.body, {**key, **a.headers}, a.status, a.code) for a in attacks(image_uri)] + [
         Attack("wrong API key", valid, {"Authorization": "Bearer wrong"}, 401, "invalid_api_key"),
         Attack("non-UTF-8 API key", valid, {}, 401, "invalid_api_key",
@@ -124,8 +126,17 @@ def hostile_requests(image_uri: str) -> list[Attack]:
                "request_too_complex"),
         Attack("1 GiB gzip bomb", gzip_bomb(1024), {**key, "Content-Encoding": "gzip"}, 413,
                "request_too_large"),
-        Attack("16-bit 6300x6300", json.dumps(sixteen).encode(), key, 413, "image_too_large"),
+        Attack("float 6300x6300", json.dumps(heavy).encode(), key, 413, "image_too_large"),
     ]  # fmt: skip
+
+
+def float_tiff(width: int, height: int) -> str:
+    """A 32-bit float TIFF, deflated: under the pixel limit as width x height, over it as the
+    bytes its decoding holds."""
+    buf = io.BytesIO()
+    img = Image.fromarray(np.zeros((height, width), np.float32), "F")
+    img.save(buf, "TIFF", compression="tiff_deflate")
+    return "data:image/tiff;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
 DISCONNECT = "disconnect mid-body"  # an attack with no answer: the client is gone

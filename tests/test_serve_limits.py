@@ -306,15 +306,30 @@ def test_the_user_text_rule_is_one_function():
 
 
 # ---- images: charged by decoded bytes, refused when no model takes them ---------------------
-def test_16_bit_images_are_charged_by_what_decoding_holds(funnel):
+def float_tiff(width: int, height: int) -> str:
+    """A data URI of a 32-bit float TIFF (PIL mode F), deflated."""
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    buf = io.BytesIO()
+    img = Image.fromarray(np.zeros((height, width), np.float32), "F")
+    img.save(buf, "TIFF", compression="tiff_deflate")
+    return "data:image/tiff;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def test_images_are_charged_by_what_decoding_holds(funnel):
     px = 64 * 48
     app = create_app(funnel, max_image_pixels=px, max_pixels_in_flight=4 * px)
     with ServerThread(app) as srv:
         status, body, _ = exchange(srv, body_of(image=png_image(64, 48)))  # 8-bit RGB fits
         assert status == 200, body
-        status, err, _ = exchange(srv, body_of(image=png_image(64, 48, bits=16)))
+        # As many pixels, but a float image decodes into more bytes than an RGB one.
+        status, err, _ = exchange(srv, body_of(image=float_tiff(64, 48)))
         assert status == 413 and err["error"]["code"] == "image_too_large", err
-        assert "I;16" in err["error"]["message"], err
+        assert "for its F mode" in err["error"]["message"], err
 
 
 def test_an_image_too_elongated_for_any_model_is_400(funnel):

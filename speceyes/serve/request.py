@@ -342,7 +342,7 @@ class ImageSize:
     @property
     def cost(self) -> int:
         """What the pixel limits charge: the pixels, or more where decoding the mode holds
-        more memory than an RGB image of as many pixels (16-bit: about 3x)."""
+        more memory than an RGB image of as many pixels (16-bit: 2.75x, float: 3.1x)."""
         per_pixel = decode_bytes_per_pixel(self.mode, self.has_alpha)
         return max(self.pixels, -(-self.pixels * per_pixel // _RGB_BYTES))
 

@@ -29,11 +29,10 @@ def png_header(width: int, height: int) -> str:
     return _png_uri(b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", ihdr) + _chunk(b"IEND", b""))
 
 
-def png_image(width: int, height: int, bits: int = 8) -> str:
-    """A data URI of a real, black PNG: RGB at 8 bits, or 16-bit grayscale (``bits=16``)."""
-    color, channels = (2, 3) if bits == 8 else (0, 1)
-    row = b"\x00" + bytes(width * channels * bits // 8)  # filter byte, then the pixels
-    ihdr = struct.pack(">IIBBBBB", width, height, bits, color, 0, 0, 0)
+def png_image(width: int, height: int) -> str:
+    """A data URI of a real, black RGB PNG."""
+    row = b"\x00" + bytes(width * 3)  # filter byte, then the pixels
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
     idat = zlib.compress(row * height, 9)
     return _png_uri(
         b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", ihdr) + _chunk(b"IDAT", idat) + _chunk(b"IEND", b"")
