@@ -37,6 +37,8 @@ def lone_surrogate(text: str) -> bool:
 # context of every supported model (Qwen-VL: 32 K and more; the tiny test models: 4096), and
 # the image's tokens come on top.
 MAX_TEXT_TOKENS = 2048
+# The largest request body (also once inflated): one image as a data URI, and its question.
+MAX_BODY_MB = 32.0
 # Seconds a client has to send its whole request body (408 beyond): 32 MB at about 1 MB/s.
 BODY_TIMEOUT_S = 60.0
 # Request-body bytes (received, and inflated from gzip/deflate) all requests of a server may

@@ -23,7 +23,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     srv.add_argument("--max-wait-ms", type=float, default=10.0, help="micro-batch wait")
     srv.add_argument("--request-timeout", type=float, default=300.0, help="seconds before 504")
     srv.add_argument("--model-name", default="speceyes", help="model id in /v1/models")
-    srv.add_argument("--max-body-mb", type=float, default=32.0, help="largest request body")
+    srv.add_argument(
+        "--max-body-mb", type=float, default=limits.MAX_BODY_MB, help="largest request body"
+    )
     srv.add_argument("--allow-local-files", action="store_true", help="accept file:// image URLs")
     srv.add_argument(
         "--api-key",

@@ -58,7 +58,7 @@ class ServeSettings:
     model_name: str = "speceyes"
     request_timeout: float | None = 300.0  # end-to-end seconds per request (504); None: none
     allow_local_files: bool = False  # file:// image URLs
-    max_body_mb: float = 32.0
+    max_body_mb: float = limits.MAX_BODY_MB
     api_key: str | None = None  # every endpoint but /health needs "Authorization: Bearer"
     max_question_chars: int = limits.MAX_QUESTION_CHARS
     max_option_chars: int = limits.MAX_OPTION_CHARS

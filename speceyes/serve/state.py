@@ -93,7 +93,7 @@ class ServerState:
     max_image_pixels: int = limits.MAX_IMAGE_PIXELS
     max_pixels_in_flight: int = limits.MAX_PIXELS_IN_FLIGHT
     max_text_tokens: int = limits.MAX_TEXT_TOKENS
-    max_body_bytes: int = 32 << 20
+    max_body_bytes: int = int(limits.MAX_BODY_MB * (1 << 20))
     body_timeout: float = limits.BODY_TIMEOUT_S
     body_budget: ByteBudget = field(
         default_factory=lambda: ByteBudget(int(limits.MAX_BODY_MB_IN_FLIGHT * (1 << 20)))
@@ -184,7 +184,7 @@ class ServerState:
 
     def _query_gone(self, query_id: str) -> bool:
         """Whether nobody waits for this query's answer any more (called from the funnel's
-        threads: a dict lookup and the monotonic clock, no event-loop state changes)."""
+        threads: a dict lookup, the monotonic clock and the item's own flag)."""
         item = self.pending.get(query_id)
         assert self.loop is not None
         if item is None or not item.gone(self.loop.time()):
