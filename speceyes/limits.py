@@ -29,3 +29,22 @@ def lone_surrogate(text: str) -> bool:
     except UnicodeEncodeError:
         return True
     return False
+
+
+# ---- a server's request bodies and user text ----------------------------------------------
+# Question plus options, in tokens of the served models' tokenizers (UTF-8 bytes where a model
+# has no tokenizer here: a byte-level BPE token covers at least one byte). Far below the
+# context of every supported model (Qwen-VL: 32 K and more; the tiny test models: 4096), and
+# the image's tokens come on top.
+MAX_TEXT_TOKENS = 2048
+# The largest request body (also once inflated): one image as a data URI, and its question.
+MAX_BODY_MB = 32.0
+# Seconds a client has to send its whole request body (408 beyond): 32 MB at about 1 MB/s.
+BODY_TIMEOUT_S = 60.0
+# Request-body bytes (received, and inflated from gzip/deflate) all requests of a server may
+# hold at once while they are read and parsed (429 beyond).
+MAX_BODY_MB_IN_FLIGHT = 256.0
+# JSON values in a chat request body. One image and a question are a few dozen; each value costs
+# the parser about 60 bytes, so a 32 MB body of `[],[],...` would otherwise cost 800 MB (this
+# bound: about 12 MB).
+MAX_JSON_VALUES = 200_000

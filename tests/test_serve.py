@@ -471,12 +471,16 @@ def test_hostile_requests_get_4xx_and_their_batch_mates_are_answered(served):
         _user(_img(scene_uri(i)), {"type": "text", "text": f"What color is box {i}?"})
         for i in range(4)
     ]
-    bodies: list[tuple[str, bytes, int, str | None]] = list(hostile_requests(scene_uri(0)))
-    bodies += [(f"good {i}", json.dumps(g).encode(), 200, None) for i, g in enumerate(good)]
+    bodies: list[tuple[str, bytes, int, str | None, dict[str, str]]] = [
+        tuple(h) for h in hostile_requests(scene_uri(0))
+    ]
+    bodies += [(f"good {i}", json.dumps(g).encode(), 200, None, {}) for i, g in enumerate(good)]
     before = len(spy.sizes)
     with ThreadPoolExecutor(len(bodies)) as pool:  # all at once: hostile ones among valid ones
-        got = list(pool.map(lambda b: http_full(srv.url, "/v1/chat/completions", b[1]), bodies))
-    for (name, _, status, code), (st, body, _) in zip(bodies, got, strict=True):
+        got = list(
+            pool.map(lambda b: http_full(srv.url, "/v1/chat/completions", b[1], b[4]), bodies)
+        )
+    for (name, _, status, code, _), (st, body, _) in zip(bodies, got, strict=True):
         assert st == status, (name, st, body)
         if code:
             assert body["error"]["code"] == code and body["error"]["message"], (name, body)

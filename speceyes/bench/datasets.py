@@ -32,6 +32,7 @@ from typing import Any
 
 from speceyes.limits import MAX_OPTIONS
 from speceyes.types import Query
+from speceyes.usertext import check_question
 
 __all__ = [
     "BenchmarkFormatError",
@@ -457,6 +458,7 @@ def load_jsonl(path: str | Path) -> Iterator[Query]:
                 raise BenchmarkFormatError(
                     f"{where}: too many options ({len(options)}; at most {MAX_OPTIONS})"
                 )
+        check_question(str(obj["question"]), options, f"{where}: ")  # no control tokens
         answer = obj.get("answer")
         if answer is not None:
             answer = str(answer)

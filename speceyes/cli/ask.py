@@ -56,7 +56,9 @@ def run(args: argparse.Namespace) -> int:
     from speceyes.factory import Settings, build_funnel
     from speceyes.images import load_image
     from speceyes.types import Query
+    from speceyes.usertext import check_question
 
+    check_question(args.question, args.option)  # no chat-template control tokens
     image = load_image(args.image)  # fail fast on a missing or corrupt image, before loading models
     funnel = build_funnel(Settings.from_args(args))
     q = Query(id="ask", image=image, question=args.question, options=args.option or None)

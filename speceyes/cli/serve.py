@@ -23,7 +23,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     srv.add_argument("--max-wait-ms", type=float, default=10.0, help="micro-batch wait")
     srv.add_argument("--request-timeout", type=float, default=300.0, help="seconds before 504")
     srv.add_argument("--model-name", default="speceyes", help="model id in /v1/models")
-    srv.add_argument("--max-body-mb", type=float, default=32.0, help="largest request body")
+    srv.add_argument(
+        "--max-body-mb", type=float, default=limits.MAX_BODY_MB, help="largest request body"
+    )
     srv.add_argument("--allow-local-files", action="store_true", help="accept file:// image URLs")
     srv.add_argument(
         "--api-key",
@@ -54,6 +56,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=limits.MAX_PIXELS_IN_FLIGHT,
         help="decoded image pixels all admitted requests may hold at once (429 beyond)",
+    )
+    srv.add_argument(
+        "--max-text-tokens",
+        type=int,
+        default=limits.MAX_TEXT_TOKENS,
+        help="question + options, in the served models' tokens (UTF-8 bytes for a URL model)",
+    )
+    srv.add_argument(
+        "--body-timeout",
+        type=float,
+        default=limits.BODY_TIMEOUT_S,
+        help="seconds a client has to send its request body (408 beyond)",
+    )
+    srv.add_argument(
+        "--max-body-mb-in-flight",
+        type=float,
+        default=limits.MAX_BODY_MB_IN_FLIGHT,
+        help="request-body MB all requests being read may hold at once (429 beyond)",
     )
     srv.add_argument(
         "--drain-timeout",
@@ -91,5 +111,8 @@ def run(args: argparse.Namespace) -> int:
         max_image_pixels=args.max_image_pixels,
         max_pixels_in_flight=args.max_pixels_in_flight,
         drain_timeout=args.drain_timeout,
+        max_text_tokens=args.max_text_tokens,
+        body_timeout=args.body_timeout,
+        max_body_mb_in_flight=args.max_body_mb_in_flight,
     )
     return serve(funnel, settings)

@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import signal
-import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -19,19 +17,22 @@ from aiohttp import web
 
 from speceyes import limits
 from speceyes.images import ImageError, load_image
+from speceyes.serve.body import Body, ByteBudget, ClientGone, decode_json, read_body
 from speceyes.serve.request import (
+    ChatRequest,
     RequestError,
     _error_from,
-    _side,
+    check_image_size,
     error_response,
-    header_pixels,
     image_bytes,
     internal_error,
     parse_chat_request,
+    read_image_size,
     resolve_image,
 )
 from speceyes.serve.state import ServerClosing, ServerState, _Item
 from speceyes.types import Query, Result
+from speceyes.usertext import TextRules
 
 if TYPE_CHECKING:
     from speceyes.funnel import Funnel
@@ -53,17 +54,20 @@ class ServeSettings:
     port: int = 8000
     batch_size: int | None = None  # None: the funnel's own batch size
     max_wait_ms: float = 10.0  # a batch waits at most this long after its oldest request
-    max_queue: int = 256  # admitted requests not yet running; beyond it 429 before the body
+    max_queue: int = 256  # admitted requests (body in) not yet running; beyond it 429
     model_name: str = "speceyes"
     request_timeout: float | None = 300.0  # end-to-end seconds per request (504); None: none
     allow_local_files: bool = False  # file:// image URLs
-    max_body_mb: float = 32.0
+    max_body_mb: float = limits.MAX_BODY_MB
     api_key: str | None = None  # every endpoint but /health needs "Authorization: Bearer"
     max_question_chars: int = limits.MAX_QUESTION_CHARS
     max_option_chars: int = limits.MAX_OPTION_CHARS
     max_image_pixels: int = limits.MAX_IMAGE_PIXELS
     max_pixels_in_flight: int = limits.MAX_PIXELS_IN_FLIGHT
     drain_timeout: float = 30.0  # seconds admitted requests get after SIGTERM or Ctrl-C
+    max_text_tokens: int = limits.MAX_TEXT_TOKENS  # question + options, served tokenizers
+    body_timeout: float = limits.BODY_TIMEOUT_S  # seconds to send the whole body (408)
+    max_body_mb_in_flight: float = limits.MAX_BODY_MB_IN_FLIGHT  # all bodies being read (429)
 
     def validate(self) -> None:
         """Raise ValueError on a setting the server cannot run with (the batch size is checked
@@ -74,9 +78,18 @@ class ServeSettings:
             raise ValueError("max_wait_ms must be >= 0")
         if self.request_timeout is not None and self.request_timeout <= 0:
             raise ValueError("request_timeout must be positive")
-        if min(self.max_question_chars, self.max_option_chars, self.max_image_pixels) < 1:
+        if self.body_timeout <= 0:
+            raise ValueError("body_timeout must be positive")
+        sizes = (self.max_question_chars, self.max_option_chars, self.max_image_pixels)
+        if min(*sizes, self.max_text_tokens) < 1:
             raise ValueError(
-                "max_question_chars, max_option_chars, max_image_pixels must be >= 1"
+                "max_question_chars, max_option_chars, max_image_pixels, max_text_tokens "
+                "must be >= 1"
+            )
+        if self.max_body_mb <= 0 or self.max_body_mb_in_flight < 2 * self.max_body_mb:
+            raise ValueError(
+                "max_body_mb must be positive and max_body_mb_in_flight at least twice it "
+                "(one body and its inflated copy)"
             )
         if self.max_pixels_in_flight < self.max_image_pixels:
             raise ValueError("max_pixels_in_flight must be at least max_image_pixels")
@@ -88,24 +101,21 @@ class Server(ServerState):
     """The HTTP handlers over the server's state."""
 
     async def _image(self, url: str) -> tuple[Any, int]:
-        """The decoded image and its pixel count, held in the budget (released by the caller)."""
+        """The decoded image and its cost, held in the pixel budget (released by the caller)."""
         loop = asyncio.get_running_loop()
         src = resolve_image(url, self.allow_local_files)
         try:
             data = await loop.run_in_executor(self.decoder, image_bytes, src)
-            pixels = await loop.run_in_executor(self.decoder, header_pixels, data)
+            size = await loop.run_in_executor(self.decoder, read_image_size, data)
         except ImageError as e:
             raise RequestError(str(e), code="invalid_image", param="messages") from e
-        if pixels > self.max_image_pixels:
-            size = "too many" if pixels == sys.maxsize else f"{pixels}"
-            raise RequestError(
-                f"the image has {size} pixels; this server decodes at most "
-                f"{self.max_image_pixels} (e.g. {_side(self.max_image_pixels)})",
-                status=413,
-                code="image_too_large",
-                param="messages",
-            )
-        if self.pixels_in_flight + pixels > self.max_pixels_in_flight:
+        # Charged by what decoding holds (RGB-equivalent pixels), not by width x height alone.
+        # The encoded bytes themselves are the body's, in its own budget.
+        cost = 0
+        if size is not None:
+            check_image_size(size, self.max_image_pixels)
+            cost = size.cost
+        if self.pixels_in_flight + cost > self.max_pixels_in_flight:
             raise RequestError(
                 "server busy: the images of the requests in flight fill its decoding budget "
                 f"({self.max_pixels_in_flight} pixels); retry later",
@@ -113,17 +123,50 @@ class Server(ServerState):
                 code="pixel_budget",
                 type="rate_limit_error",
             )
-        self.pixels_in_flight += pixels  # reserved before decoding: admitted work is bounded
+        self.pixels_in_flight += cost  # reserved before decoding: admitted work is bounded
         try:
             image = await loop.run_in_executor(self.decoder, load_image, data)
         except BaseException as e:
-            self.pixels_in_flight -= pixels
+            self.pixels_in_flight -= cost
             if isinstance(e, ImageError):
                 raise RequestError(str(e), code="invalid_image", param="messages") from e
             raise
-        return image, pixels
+        return image, cost
 
-    async def chat(self, request: web.Request) -> web.Response:
+    def _parse(self, data: bytearray, encoding: str | None) -> ChatRequest:
+        """The body's chat request (a decoder thread: inflating, JSON and tokenizers)."""
+        return parse_chat_request(
+            decode_json(
+                data, encoding, max_bytes=self.max_body_bytes, max_values=limits.MAX_JSON_VALUES
+            ),
+            max_question_chars=self.max_question_chars,
+            max_option_chars=self.max_option_chars,
+            max_text_tokens=self.max_text_tokens,
+            rules=self.text_rules,
+        )
+
+    async def _read(self, request: web.Request) -> Body:
+        self.reading += 1
+        try:
+            return await read_body(
+                request,
+                max_bytes=self.max_body_bytes,
+                timeout=self.body_timeout,
+                budget=self.body_budget,
+            )
+        finally:
+            self.reading -= 1
+
+    def _queue_full(self) -> RequestError:
+        return RequestError(
+            f"server overloaded: {self.admitted} requests already queued "
+            f"(max_queue={self.max_queue}); retry later",
+            status=429,
+            code="queue_full",
+            type="rate_limit_error",
+        )
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
         loop = asyncio.get_running_loop()
         t_arrival = loop.time()
         rid = request[RID_KEY]
@@ -133,52 +176,46 @@ class Server(ServerState):
             )
         if self.admitted >= self.max_queue:
             # Refused before the body is read: overload costs neither memory nor decoding.
-            return error_response(
-                429,
-                f"server overloaded: {self.admitted} requests already queued "
-                f"(max_queue={self.max_queue}); retry later",
-                code="queue_full",
-                type="rate_limit_error",
-                headers={"Retry-After": "1"},
-            )
-        self.admitted += 1
+            return _refused(self._queue_full())
+        body: Body | None = None
+        admitted = False
         item: _Item | None = None
         pixels = 0
         try:
-            try:
-                body = json.loads(await request.read())
-            except RecursionError as e:
-                raise RequestError(
-                    "the request body is nested too deeply", code="invalid_json"
-                ) from e
-            except (UnicodeDecodeError, ValueError) as e:
-                raise RequestError(
-                    f"the request body is not valid JSON ({e})", code="invalid_json"
-                ) from e
-            parsed = parse_chat_request(
-                body,
-                max_question_chars=self.max_question_chars,
-                max_option_chars=self.max_option_chars,
-            )
+            # The body first, against its deadline and the byte budget: a slow client holds
+            # what it has sent, never a queue slot.
+            body = await self._read(request)
+            if self.closing:
+                raise ServerClosing("the server is shutting down")
+            if self.admitted >= self.max_queue:
+                raise self._queue_full()
+            self.admitted += 1
+            admitted = True
+            if body.encoding is not None:
+                body.charge(self.max_body_bytes)  # the most its inflated copy can hold
+            parsed = await loop.run_in_executor(self.decoder, self._parse, body.data, body.encoding)
             image, pixels = await self._image(parsed.image_url)
+            body.release()  # what is left of the request is its decoded image and its text
             if self.stopped:  # admitted before a drain began, but the drain is over
                 raise ServerClosing("the server is shutting down")
             query = Query(id=rid, image=image, question=parsed.question, options=parsed.options)
-            item = _Item(query, loop.create_future(), loop.time(), pixels=pixels)
+            deadline = None
+            if self.request_timeout is not None:
+                deadline = t_arrival + self.request_timeout
+            item = _Item(query, loop.create_future(), loop.time(), deadline, pixels=pixels)
             pixels = 0  # the item holds them now
             self.waiting.append(item)
             assert self.arrived is not None
             self.arrived.set()
-            timeout = None
-            if self.request_timeout is not None:
-                timeout = max(0.0, self.request_timeout - (loop.time() - t_arrival))
+            timeout = None if deadline is None else max(0.0, deadline - loop.time())
             try:
                 # shield: a timeout must not cancel the shared future the funnel resolves.
                 result, batch_size, queued = await asyncio.wait_for(
                     asyncio.shield(item.future), timeout
                 )
             except TimeoutError:
-                item.future.cancel()  # the funnel's result is then dropped unread
+                item.abandoned = True  # the funnel drops it if it has not started on it yet
+                item.future.cancel()  # a result that still comes is dropped unread
                 return error_response(
                     504,
                     f"no answer within the request timeout ({self.request_timeout:g} s)",
@@ -186,20 +223,25 @@ class Server(ServerState):
                     type="timeout_error",
                 )
         except RequestError as e:
-            headers = {"Retry-After": "1"} if e.status == 429 else None
-            return error_response(
-                e.status, e.message, code=e.code, type=e.type, param=e.param, headers=headers
-            )
+            if e.code == "body_timeout":
+                return await _answer_and_close(request, _refused(e))
+            return _refused(e)
+        except ClientGone as e:
+            # Nobody to answer: one line in the log, no traceback.
+            log.info("speceyes serve: request %s: client disconnected mid-body (%s)", rid, e)
+            return _refused(RequestError("the client disconnected", code="client_disconnected"))
         except ServerClosing as e:
             return error_response(503, str(e), code="shutting_down", type="server_error")
         except web.HTTPException:
-            raise  # e.g. 413 while reading the body: the middleware answers it as JSON
+            raise  # the middleware answers it as JSON
         except Exception:
             log.exception("speceyes serve: request %s failed", rid)
             return internal_error(rid)
         finally:
+            if body is not None:
+                body.release()
             self.pixels_in_flight -= pixels
-            if item is None or not item.started:
+            if admitted and (item is None or not item.started):
                 self.admitted -= 1  # the slot was not handed over to the funnel
                 if item is not None:
                     self._release(item)
@@ -253,6 +295,8 @@ class Server(ServerState):
                 "tau": self.funnel.config.tau,
                 "queue": self.admitted,
                 "max_queue": self.max_queue,
+                "reading": self.reading,
+                "body_bytes_in_flight": self.body_budget.used,
                 "inflight": self.inflight,
                 "batch_size": self.batch_size,
                 "max_wait_ms": self.max_wait * 1000.0,
@@ -294,8 +338,16 @@ class Server(ServerState):
                 ),
                 "speceyes_inflight": ("Queries handed to the funnel, unanswered.", self.inflight),
                 "speceyes_pixels_in_flight": (
-                    "Decoded image pixels held by admitted requests.",
+                    "Decoded image pixels (RGB-equivalent) held by admitted requests.",
                     self.pixels_in_flight,
+                ),
+                "speceyes_reading": (
+                    "Requests whose body is being read.",
+                    self.reading,
+                ),
+                "speceyes_body_bytes_in_flight": (
+                    "Request-body bytes held while bodies are read and parsed.",
+                    self.body_budget.used,
                 ),
                 "speceyes_beta": ("Share of judged queries judged tool-free.", stats.beta),
                 "speceyes_alpha": ("Gate acceptance among tool-free queries.", stats.alpha),
@@ -310,8 +362,11 @@ class Server(ServerState):
     def _authorize(self, request: web.Request) -> None:
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
         expected = (self.api_key or "").encode()
+        # aiohttp decodes header bytes with surrogateescape: encoding back the same way gives
+        # the bytes that were sent, so a non-UTF-8 token is a wrong key (401), not a 500.
+        sent = token.strip().encode("utf-8", "surrogateescape")
         # Constant-time comparison: the time taken says nothing about how much of a guess matched.
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected):
+        if scheme.lower() != "bearer" or not hmac.compare_digest(sent, expected):
             raise RequestError(
                 "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
                 status=401,
@@ -347,6 +402,28 @@ class Server(ServerState):
         return resp
 
 
+def _refused(e: RequestError) -> web.Response:
+    """The JSON error for a refused request (with Retry-After on a 429). A body left unread is
+    drained by aiohttp after the answer, for at most its lingering time, so that the client
+    reads the answer."""
+    headers = {"Retry-After": "1"} if e.status == 429 else None
+    return error_response(
+        e.status, e.message, code=e.code, type=e.type, param=e.param, headers=headers
+    )
+
+
+async def _answer_and_close(request: web.Request, resp: web.Response) -> web.Response:
+    """Send ``resp`` now and close the connection: the rest of a body too slow to arrive is
+    not waited for (aiohttp would linger reading it, even after the client has gone)."""
+    resp.headers[REQUEST_ID_HEADER] = request[RID_KEY]
+    resp.force_close()
+    await resp.prepare(request)
+    await resp.write_eof()
+    if request.protocol is not None:
+        request.protocol.force_close()
+    return resp
+
+
 STATE_KEY = web.AppKey("speceyes", Server)
 
 
@@ -360,6 +437,14 @@ def create_app(
     if bs < 1:
         raise ValueError("batch_size must be at least 1")
     s.validate()
+    # Tokenizers of every model the funnel serves: question limits in their tokens and their
+    # control tokens refused (a model behind a URL counts UTF-8 bytes).
+    backends = (
+        getattr(funnel, "small", None),
+        getattr(funnel, "large", None),
+        getattr(getattr(funnel, "agent", None), "backend", None),
+    )
+    max_body = int(s.max_body_mb * 1024 * 1024)
     state = Server(
         funnel=funnel,
         batch_size=bs,
@@ -373,9 +458,18 @@ def create_app(
         max_option_chars=s.max_option_chars,
         max_image_pixels=s.max_image_pixels,
         max_pixels_in_flight=s.max_pixels_in_flight,
+        max_text_tokens=s.max_text_tokens,
+        max_body_bytes=max_body,
+        body_timeout=s.body_timeout,
+        body_budget=ByteBudget(int(s.max_body_mb_in_flight * 1024 * 1024)),
+        text_rules=TextRules.for_backends(backends),
     )
     app = web.Application(
-        middlewares=[state.middleware], client_max_size=int(s.max_body_mb * 1024 * 1024)
+        middlewares=[state.middleware],
+        client_max_size=max_body,
+        # Bodies are inflated by the handler, in a decoder thread and bounded while inflating,
+        # not by the HTTP parser on the event loop.
+        handler_args={"auto_decompress": False},
     )
     app[STATE_KEY] = state
     app.router.add_post(CHAT_PATH, state.chat)

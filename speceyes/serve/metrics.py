@@ -12,7 +12,9 @@ from prometheus_client.registry import Collector
 
 from speceyes.types import PHASES, ROUTES
 
-STATUSES: tuple[str, ...] = ("200", "400", "401", "413", "429", "500", "503", "504")
+STATUSES: tuple[str, ...] = (
+    "200", "400", "401", "408", "413", "415", "429", "500", "503", "504",
+)  # fmt: skip
 LATENCY_BUCKETS: tuple[float, ...] = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
     120.0, 300.0,
@@ -34,6 +36,11 @@ class Metrics:
         )
         self.batch_errors = Counter(
             "speceyes_batch_errors", "Funnel batches that raised.", registry=r
+        )
+        self.abandoned = Counter(
+            "speceyes_abandoned",
+            "Queries the funnel dropped unstarted because their request had timed out.",
+            registry=r,
         )
         self.phases = Histogram(
             "speceyes_phase_seconds",

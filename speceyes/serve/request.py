@@ -1,6 +1,7 @@
-"""A chat request in: its JSON parsed and bounded (text lengths, option count, one image), the
-image URL resolved, the image's pixel count read from its header before anything is decoded;
-and the OpenAI-style error bodies a refused request gets."""
+"""A chat request in: its JSON bounded (text lengths in characters and in the served models'
+tokens, no control tokens, option count, one image), the image URL resolved, the image's size,
+mode and decoding cost read from its header before anything is decoded; and the OpenAI-style
+error bodies a refused request gets."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from aiohttp import web
 from PIL import Image
 
 from speceyes import limits
-from speceyes.images import _decode_data_uri
+from speceyes.images import MAX_RATIO, _decode_data_uri
+from speceyes.usertext import TextRules, UserTextError
 
 
 # ---- errors -------------------------------------------------------------------------------
@@ -114,6 +116,15 @@ def _check_text(text: str, where: str) -> str:
     return text
 
 
+def _check_user_text(text: str, where: str, rules: TextRules) -> str:
+    """Text the models will read: valid Unicode, and no control token of their template."""
+    _check_text(text, where)
+    try:
+        return rules.check(text, where)
+    except UserTextError as e:
+        raise RequestError(str(e), code="control_token", param=where) from e
+
+
 def _too_long(what: str, n: int, cap: int, code: str, param: str) -> RequestError:
     return RequestError(
         f"{what} has {n} characters; this server accepts at most {cap}",
@@ -128,8 +139,16 @@ def parse_chat_request(
     *,
     max_question_chars: int = limits.MAX_QUESTION_CHARS,
     max_option_chars: int = limits.MAX_OPTION_CHARS,
+    max_text_tokens: int = limits.MAX_TEXT_TOKENS,
+    rules: TextRules | None = None,
 ) -> ChatRequest:
-    """The question, the one image URL and the options of an OpenAI chat request."""
+    """The question, the one image URL and the options of an OpenAI chat request.
+
+    ``rules`` are the served models' control tokens and token counters (default: none known,
+    so only ``<|...|>``-shaped control tokens are refused and tokens are bounded by UTF-8
+    bytes). The question and its options together may have ``max_text_tokens`` (413 beyond).
+    """
+    rules = rules or TextRules()
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object", code="invalid_body")
     if body.get("stream"):
@@ -165,7 +184,7 @@ def parse_chat_request(
                         code="invalid_content",
                         param=where,
                     )
-                texts.append(_check_text(part["text"], f"{where}.content[{j}].text"))
+                texts.append(_check_user_text(part["text"], f"{where}.content[{j}].text", rules))
             elif kind == "image_url":
                 images.append(_check_text(_image_url_of(part, f"{where}.content[{j}]"), where))
             else:
@@ -217,11 +236,25 @@ def parse_chat_request(
                 code="too_many_options" if options else "invalid_options",
                 param="options",
             )
-        options = [_check_text(o.strip(), f"options[{k}]") for k, o in enumerate(options)]
         for k, o in enumerate(options):
-            if len(o) > max_option_chars:
+            if len(o.strip()) > max_option_chars:
                 where = f"options[{k}]"
-                raise _too_long(where, len(o), max_option_chars, "option_too_long", "options")
+                n = len(o.strip())
+                raise _too_long(where, n, max_option_chars, "option_too_long", "options")
+        options = [
+            _check_user_text(o.strip(), f"options[{k}]", rules) for k, o in enumerate(options)
+        ]
+    # Characters first (cheap, and they bound what the tokenizers are given), then tokens: an
+    # emoji is one character and four tokens of a byte-level tokenizer.
+    tokens = rules.tokens(question) + sum(rules.tokens(o) for o in options or ())
+    if tokens > max_text_tokens:
+        raise RequestError(
+            f"the question and its options have {tokens} tokens; this server accepts at most "
+            f"{max_text_tokens}",
+            status=413,
+            code="too_many_tokens",
+            param="messages",
+        )
     return ChatRequest(question=question, image_url=images[0], options=options or None)
 
 
@@ -262,7 +295,7 @@ def resolve_image(url: str, allow_local_files: bool) -> str | Path:
     )
 
 
-# ---- images: pixels from the header before decoding ---------------------------------------
+# ---- images: size, mode and cost from the header before decoding --------------------------
 def _side(pixels: int) -> str:
     side = math.isqrt(pixels)
     return f"{side}x{side}"
@@ -273,15 +306,96 @@ def image_bytes(src: str | Path) -> bytes | Path:
     return _decode_data_uri(src) if isinstance(src, str) else src
 
 
-def header_pixels(data: bytes | Path) -> int:
-    """Width x height from the image header alone; 0 when PIL cannot read one (load_image then
-    says what is wrong). Opening reads the header only: the pixels are never decoded here."""
+# Bytes per pixel ``speceyes.images.load_image`` holds at its peak, by the mode PIL decodes
+# into: the decoded image and its upright copy (PIL keeps 1, 2 or 4 bytes a pixel), the
+# conversion's intermediates, and the RGB result (4). 16-bit, 32-bit and float modes go through
+# float64 arrays (the array, its scaled and its clipped copy, then 8 bits); alpha through an
+# RGBA copy and its mask. The budgets charge RGB-equivalent pixels: cost = bytes / RGB's.
+_HIGH_BIT_MODES = frozenset({"I", "I;16", "I;16B", "I;16L", "I;16N", "F"})
+
+
+def _stored_bytes(mode: str) -> int:
+    return 1 if mode in ("1", "L", "P") else 2 if mode.startswith("I;16") else 4
+
+
+def decode_bytes_per_pixel(mode: str, has_alpha: bool) -> int:
+    between = 5 if has_alpha else 3 * 8 + 1 if mode in _HIGH_BIT_MODES else 0
+    return 2 * _stored_bytes(mode) + between + 4
+
+
+_RGB_BYTES = decode_bytes_per_pixel("RGB", False)
+
+
+@dataclass(frozen=True)
+class ImageSize:
+    """What an image's header says, before any pixel is decoded."""
+
+    width: int
+    height: int
+    mode: str
+    has_alpha: bool = False
+
+    @property
+    def pixels(self) -> int:
+        return self.width * self.height
+
+    @property
+    def cost(self) -> int:
+        """What the pixel limits charge: the pixels, or more where decoding the mode holds
+        more memory than an RGB image of as many pixels (16-bit: 2.75x, float: 3.1x)."""
+        per_pixel = decode_bytes_per_pixel(self.mode, self.has_alpha)
+        return max(self.pixels, -(-self.pixels * per_pixel // _RGB_BYTES))
+
+    @property
+    def ratio(self) -> float:
+        return max(self.width, self.height) / max(1, min(self.width, self.height))
+
+
+TOO_MANY_PIXELS = ImageSize(sys.maxsize, 1, "RGB")  # past PIL's own bomb limit: past ours too
+
+
+def read_image_size(data: bytes | Path) -> ImageSize | None:
+    """Size and mode from the image header alone; None when PIL cannot read one (load_image
+    then says what is wrong). Opening reads the header only: the pixels are never decoded."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", Image.DecompressionBombWarning)
         try:
             with Image.open(io.BytesIO(data) if isinstance(data, bytes) else data) as img:
-                return img.width * img.height
+                alpha = "A" in img.getbands() or (img.mode == "P" and "transparency" in img.info)
+                return ImageSize(img.width, img.height, img.mode, alpha)
         except Image.DecompressionBombError:
-            return sys.maxsize  # past PIL's own hard limit: past ours too
+            return TOO_MANY_PIXELS
         except Exception:
-            return 0
+            return None
+
+
+def check_image_size(size: ImageSize, max_cost: int) -> None:
+    """Refuse, before decoding, an image no model takes (aspect ratio past MAX_RATIO: 400) or
+    one costing more than ``max_cost`` pixels to decode (413)."""
+    if size is not TOO_MANY_PIXELS and size.ratio > MAX_RATIO:
+        raise RequestError(
+            f"the image is {size.width}x{size.height}, an aspect ratio of {size.ratio:g}; "
+            f"images are resized for the model only up to {MAX_RATIO:g}",
+            code="invalid_image",
+            param="messages",
+        )
+    if size.cost > max_cost:
+        if size is TOO_MANY_PIXELS:
+            what = "too many pixels"
+        else:
+            what = f"{size.width}x{size.height} = {size.pixels} pixels"
+            if size.cost > size.pixels:
+                what += f", counted as {size.cost} for its {size.mode} mode"
+        raise RequestError(
+            f"the image has {what}; this server decodes at most {max_cost} "
+            f"(e.g. {_side(max_cost)} RGB)",
+            status=413,
+            code="image_too_large",
+            param="messages",
+        )
+
+
+def header_pixels(data: bytes | Path) -> int:
+    """Width x height from the image header alone; 0 when PIL cannot read one."""
+    size = read_image_size(data)
+    return 0 if size is None else size.pixels

@@ -1,6 +1,10 @@
 """The server's state and its machinery off the HTTP handlers: the admission queue, the batcher
 on the event loop that hands micro-batches to the funnel, the funnel's own thread, and the
-start, drain and shutdown of all three."""
+start, drain and shutdown of all three.
+
+A request that timed out is not computed unread: its query is dropped from a batch not yet
+started, and an agent loop is not started for it (the funnel's agent is wrapped while the
+server runs). Work already under way in a model call finishes and is discarded."""
 
 from __future__ import annotations
 
@@ -19,8 +23,10 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from speceyes import limits
+from speceyes.serve.body import ByteBudget
 from speceyes.serve.metrics import Metrics
 from speceyes.types import PHASES, Query, Result
+from speceyes.usertext import TextRules
 
 if TYPE_CHECKING:
     from speceyes.funnel import Funnel
@@ -32,15 +38,41 @@ class ServerClosing(Exception):
     pass
 
 
+class Abandoned(Exception):
+    """The query's request timed out before the funnel started its agent loop."""
+
+
 @dataclass(eq=False)
 class _Item:
     query: Query
     future: asyncio.Future[tuple[Result, int, float]]
     enqueued: float
+    deadline: float | None = None  # loop time past which nobody waits for the answer
     pixels: int = 0  # decoded pixels this request holds in the server-wide budget
     started: bool = False  # handed to the funnel
     handed: float = 0.0
     batch_size: int = 0
+    abandoned: bool = False  # the request timed out: the answer would go unread
+    skipped: bool = False  # and the funnel dropped the query before computing it (all of it)
+
+    def gone(self, now: float) -> bool:
+        return self.abandoned or (self.deadline is not None and now >= self.deadline)
+
+
+class _SkipAbandoned:
+    """The funnel's agent, except that no loop is started for a query whose request is gone:
+    that loop ends at once with an error nobody reads."""
+
+    def __init__(self, agent: Any, gone: Callable[[str], bool]) -> None:
+        self._agent, self._gone = agent, gone
+
+    def start_loop(self, query: Query) -> Any:
+        if self._gone(query.id):
+            raise Abandoned("the request timed out before its agent loop started")
+        return self._agent.start_loop(query)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._agent, name)
 
 
 @dataclass
@@ -60,10 +92,18 @@ class ServerState:
     max_option_chars: int = limits.MAX_OPTION_CHARS
     max_image_pixels: int = limits.MAX_IMAGE_PIXELS
     max_pixels_in_flight: int = limits.MAX_PIXELS_IN_FLIGHT
+    max_text_tokens: int = limits.MAX_TEXT_TOKENS
+    max_body_bytes: int = int(limits.MAX_BODY_MB * (1 << 20))
+    body_timeout: float = limits.BODY_TIMEOUT_S
+    body_budget: ByteBudget = field(
+        default_factory=lambda: ByteBudget(int(limits.MAX_BODY_MB_IN_FLIGHT * (1 << 20)))
+    )
+    text_rules: TextRules = field(default_factory=TextRules)  # the served models' tokenizers
     metrics: Metrics = field(default_factory=Metrics)
     waiting: deque[_Item] = field(default_factory=deque)
     pending: dict[str, _Item] = field(default_factory=dict)  # handed to the funnel, unanswered
-    admitted: int = 0  # requests holding a queue slot: being read/decoded or waiting
+    admitted: int = 0  # requests holding a queue slot: body in, being parsed/decoded or waiting
+    reading: int = 0  # requests whose body is being read (they hold bytes, not a slot)
     pixels_in_flight: int = 0
     closing: bool = False  # new requests get 503; admitted ones are still answered
     stopped: bool = False  # past the drain: nothing more is answered
@@ -74,6 +114,7 @@ class ServerState:
     handoff: queue.SimpleQueue[list[_Item] | None] = field(default_factory=queue.SimpleQueue)
     batcher: asyncio.Task[None] | None = None
     loop: asyncio.AbstractEventLoop | None = None
+    _agent_wrap: _SkipAbandoned | None = None
 
     @property
     def inflight(self) -> int:
@@ -87,6 +128,10 @@ class ServerState:
             max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="speceyes-decode"
         )
         self.arrived, self.want = asyncio.Event(), asyncio.Event()
+        agent = getattr(self.funnel, "agent", None)
+        if agent is not None and hasattr(agent, "start_loop"):
+            self._agent_wrap = _SkipAbandoned(agent, self._query_gone)
+            self.funnel.agent = self._agent_wrap
         self.batcher = self.loop.create_task(self._batch_loop())
         # A daemon thread, not an executor: a batch stuck in a model call must not keep the
         # process alive after SIGTERM (executor threads are joined at interpreter exit).
@@ -123,6 +168,9 @@ class ServerState:
         self.handoff.put(None)  # the funnel thread ends after its current model call
         if self.decoder is not None:
             self.decoder.shutdown(wait=False, cancel_futures=True)
+        wrap = self._agent_wrap
+        if wrap is not None and getattr(self.funnel, "agent", None) is wrap:
+            self.funnel.agent = wrap._agent  # the funnel as it was given
 
     # ---- the funnel thread ----------------------------------------------------------------
     def _post(self, fn: Callable[..., None], *args: Any) -> bool:
@@ -134,16 +182,32 @@ class ServerState:
             return False
         return True
 
+    def _query_gone(self, query_id: str) -> bool:
+        """Whether nobody waits for this query's answer any more (called from the funnel's
+        threads: a dict lookup, the monotonic clock and the item's own flag)."""
+        item = self.pending.get(query_id)
+        assert self.loop is not None
+        if item is None or not item.gone(self.loop.time()):
+            return False
+        item.skipped = True
+        return True
+
     def _funnel_main(self) -> None:
         want = self.want
-        assert want is not None
+        assert want is not None and self.loop is not None
+        loop = self.loop
 
         def batches() -> Iterator[list[Query]]:
             while self._post(want.set):
                 batch = self.handoff.get()
                 if batch is None:
                     return
-                yield [it.query for it in batch]
+                now = loop.time()
+                dropped = [it for it in batch if it.gone(now)]
+                if dropped and not self._post(self._drop, dropped):
+                    return
+                if len(dropped) < len(batch):
+                    yield [it.query for it in batch if it not in dropped]
 
         while True:
             try:
@@ -192,6 +256,13 @@ class ServerState:
             self.metrics.batch_size.observe(len(batch))
             self.handoff.put(batch)
 
+    def _drop(self, items: list[_Item]) -> None:
+        """Forget queries the funnel will not compute (their requests timed out)."""
+        for item in items:
+            if self.pending.pop(item.query.id, None) is not None:
+                self._release(item)
+                self.metrics.abandoned.inc()
+
     def _release(self, item: _Item) -> None:
         self.pixels_in_flight -= item.pixels
         item.pixels = 0
@@ -201,6 +272,9 @@ class ServerState:
         if item is None:
             return
         self._release(item)
+        if item.skipped and r.error and not r.answer:  # no agent loop ran: nothing to count
+            self.metrics.abandoned.inc()
+            return
         self.metrics.routes.labels(route=r.route).inc()
         for p in PHASES:
             if p in r.timings:
