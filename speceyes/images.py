@@ -204,7 +204,8 @@ class ImageHeader:
 _RGB_DECODE_BYTES_PER_PIXEL = ImageHeader(1, 1, "RGB").decode_bytes
 
 
-def _header(img: Image.Image) -> ImageHeader:
+def header_of(img: Image.Image) -> ImageHeader:
+    """The header of an image PIL has opened (nothing decoded)."""
     return ImageHeader(img.width, img.height, img.mode, _has_alpha(img))
 
 
@@ -264,7 +265,7 @@ def _open(
         warnings.simplefilter("error", Image.DecompressionBombWarning)
         try:
             with Image.open(fp) as img:  # reads the header only
-                _check_header(_header(img), name, max_pixels, max_ratio)
+                _check_header(header_of(img), name, max_pixels, max_ratio)
                 return _finish(img, name, owned=True)
         except ImageError:
             raise
@@ -358,7 +359,7 @@ def read_header(src: str | os.PathLike[str] | bytes | bytearray) -> ImageHeader:
         warnings.simplefilter("ignore", Image.DecompressionBombWarning)
         try:
             with Image.open(fp) as img:
-                return _header(img)
+                return header_of(img)
         except Image.DecompressionBombError as e:
             raise _bomb(name, e) from e
         except Image.UnidentifiedImageError as e:

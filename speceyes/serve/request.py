@@ -18,7 +18,7 @@ from aiohttp import web
 from PIL import Image
 
 from speceyes import limits
-from speceyes.images import MAX_RATIO, _decode_data_uri
+from speceyes.images import MAX_RATIO, ImageHeader, _decode_data_uri, header_of
 from speceyes.usertext import TextRules, UserTextError
 
 
@@ -306,49 +306,9 @@ def image_bytes(src: str | Path) -> bytes | Path:
     return _decode_data_uri(src) if isinstance(src, str) else src
 
 
-# Bytes per pixel ``speceyes.images.load_image`` holds at its peak, by the mode PIL decodes
-# into: the decoded image and its upright copy (PIL keeps 1, 2 or 4 bytes a pixel), the
-# conversion's intermediates, and the RGB result (4). 16-bit, 32-bit and float modes go through
-# float64 arrays (the array, its scaled and its clipped copy, then 8 bits); alpha through an
-# RGBA copy and its mask. The budgets charge RGB-equivalent pixels: cost = bytes / RGB's.
-_HIGH_BIT_MODES = frozenset({"I", "I;16", "I;16B", "I;16L", "I;16N", "F"})
-
-
-def _stored_bytes(mode: str) -> int:
-    return 1 if mode in ("1", "L", "P") else 2 if mode.startswith("I;16") else 4
-
-
-def decode_bytes_per_pixel(mode: str, has_alpha: bool) -> int:
-    between = 5 if has_alpha else 3 * 8 + 1 if mode in _HIGH_BIT_MODES else 0
-    return 2 * _stored_bytes(mode) + between + 4
-
-
-_RGB_BYTES = decode_bytes_per_pixel("RGB", False)
-
-
-@dataclass(frozen=True)
-class ImageSize:
-    """What an image's header says, before any pixel is decoded."""
-
-    width: int
-    height: int
-    mode: str
-    has_alpha: bool = False
-
-    @property
-    def pixels(self) -> int:
-        return self.width * self.height
-
-    @property
-    def cost(self) -> int:
-        """What the pixel limits charge: the pixels, or more where decoding the mode holds
-        more memory than an RGB image of as many pixels (16-bit: 2.75x, float: 3.1x)."""
-        per_pixel = decode_bytes_per_pixel(self.mode, self.has_alpha)
-        return max(self.pixels, -(-self.pixels * per_pixel // _RGB_BYTES))
-
-    @property
-    def ratio(self) -> float:
-        return max(self.width, self.height) / max(1, min(self.width, self.height))
+# What the pixel budgets charge for an image is its header's ``cost`` (speceyes.images: the
+# memory its decode holds, in RGB-equivalent pixels), the rule load_image applies too.
+ImageSize = ImageHeader
 
 
 TOO_MANY_PIXELS = ImageSize(sys.maxsize, 1, "RGB")  # past PIL's own bomb limit: past ours too
@@ -361,8 +321,7 @@ def read_image_size(data: bytes | Path) -> ImageSize | None:
         warnings.simplefilter("ignore", Image.DecompressionBombWarning)
         try:
             with Image.open(io.BytesIO(data) if isinstance(data, bytes) else data) as img:
-                alpha = "A" in img.getbands() or (img.mode == "P" and "transparency" in img.info)
-                return ImageSize(img.width, img.height, img.mode, alpha)
+                return header_of(img)
         except Image.DecompressionBombError:
             return TOO_MANY_PIXELS
         except Exception:
@@ -372,9 +331,10 @@ def read_image_size(data: bytes | Path) -> ImageSize | None:
 def check_image_size(size: ImageSize, max_cost: int) -> None:
     """Refuse, before decoding, an image no model takes (aspect ratio past MAX_RATIO: 400) or
     one costing more than ``max_cost`` pixels to decode (413)."""
-    if size is not TOO_MANY_PIXELS and size.ratio > MAX_RATIO:
+    ratio = max(size.width, size.height) / max(1, min(size.width, size.height))
+    if size is not TOO_MANY_PIXELS and ratio > MAX_RATIO:
         raise RequestError(
-            f"the image is {size.width}x{size.height}, an aspect ratio of {size.ratio:g}; "
+            f"the image is {size.width}x{size.height}, an aspect ratio of {ratio:g}; "
             f"images are resized for the model only up to {MAX_RATIO:g}",
             code="invalid_image",
             param="messages",
