@@ -298,7 +298,7 @@ def load_image(
     """
     name = _describe(src)
     if isinstance(src, Image.Image):
-        _check_header(_header(src), name, None, max_ratio)  # decoded already: shape only
+        _check_header(header_of(src), name, None, max_ratio)  # decoded already: shape only
         if (
             not copy
             and src.mode == "RGB"
