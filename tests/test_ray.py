@@ -1,4 +1,5 @@
-"""``speceyes eval --ray`` and the Ray Serve app on the tiny real models, in one Ray session.
+"""``speceyes eval --ray`` and the Ray Serve app on the tiny real models, in one Ray session
+(skipped without the extra speceyes[ray], whose missing-extra error is tested here too).
 
 The session is local (127.0.0.1, 2 CPUs, no dashboard, usage statistics off) and shared by the
 module: Ray fixes two of its ports (44217, 44227), so Ray tests run one session at a time.
@@ -15,13 +16,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import socket
+import sys
 import urllib.request
 from collections.abc import Iterator
 
 import pytest
 
-ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
 
 from speceyes.bench.shards import Shard  # noqa: E402
@@ -32,13 +34,12 @@ from tests.test_serve import TAU, messages, scene_uri  # noqa: E402
 from tests.test_shards import N_PER_CAT, _eval, _eval_args, _untimed, tiny_vstar  # noqa: E402
 from tests.tools.server_thread import ServerThread  # noqa: E402
 
-pytestmark = pytest.mark.slow
-
 API_KEY = "ray-test-key"
 
 
 @pytest.fixture(scope="module")
 def ray_session() -> Iterator[None]:
+    ray = pytest.importorskip("ray")
     saved = os.environ.get("RAY_USAGE_STATS_ENABLED")
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"  # no usage report leaves the machine
     ray.init(
@@ -85,6 +86,15 @@ def vstar(tmp_path_factory):
 # ---------------------------------------------------------------------------- eval --ray
 
 
+def test_without_ray_the_error_names_the_extra(tiny_dirs, vstar, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if not installed: import fails
+    args = _eval_args(tiny_dirs, vstar, tmp_path / "run", "--ray", "local", "--shards", "2")
+    with pytest.raises(ImportError, match=re.escape('pip install "speceyes[ray]"')):
+        args.func(args)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
 def test_ray_eval_with_a_killed_actor_equals_the_whole_run(
     ray_session, tiny_dirs, vstar, tmp_path, monkeypatch
 ):
@@ -112,6 +122,7 @@ def test_ray_eval_with_a_killed_actor_equals_the_whole_run(
     assert [m["shard"] for m in RunDir(out).read_state()["merged_from"]] == ["0/2", "1/2"]
 
 
+@pytest.mark.slow
 def test_ray_eval_refuses_before_starting_actors(ray_session, tiny_dirs, vstar, tmp_path):
     args = _eval_args(tiny_dirs, vstar, tmp_path / "a", "--ray", "auto", "--shard", "0/2")
     with pytest.raises(ValueError, match="drop --shard"):
@@ -176,6 +187,7 @@ def _answers(replies: list[dict]) -> list[tuple]:
     ]
 
 
+@pytest.mark.slow
 def test_ray_serve_app_answers_as_speceyes_serve(ray_session, tiny_dirs):
     from ray import serve
 
