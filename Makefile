@@ -14,7 +14,7 @@ $(VENV)/.installed: pyproject.toml
 # Test-only extras: llama.cpp's OpenAI-compatible server (compiled from source, ~6 min once)
 # and its GGUF converter, fetched here so that no test downloads anything.
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(PY) -m pip install -q -e ".[dev,serve,llama]"
+	$(PY) -m pip install -q -e ".[dev,serve,llama,ray]"
 	$(PY) -m tests.tools.tiny_gguf --fetch-converter-only
 	touch $@
 

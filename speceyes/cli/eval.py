@@ -7,6 +7,7 @@ import json
 
 from speceyes.bench.shards import add_shard_arg, apply_shard
 from speceyes.cli.options import add_funnel_args, add_model_args
+from speceyes.scale.ray_eval import add_ray_eval_args
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -50,6 +51,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_model_args(ev)
     add_funnel_args(ev)
     add_shard_arg(ev)
+    add_ray_eval_args(ev)
     ev.set_defaults(func=run)
 
 
@@ -60,6 +62,10 @@ def run(args: argparse.Namespace) -> int:
     from speceyes.bench.runner import EvalSpec, run_eval
     from speceyes.factory import Settings, build_funnel
 
+    if getattr(args, "ray", None) is not None:  # the shards as Ray actors, then the merge
+        from speceyes.scale.ray_eval import run_ray_eval
+
+        return run_ray_eval(args)
     bench, loader_kw, queries = load_from_args(args)
     queries = apply_shard(args, queries)
     first = next(queries, None)  # surface a bad --data before any model is loaded

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import TYPE_CHECKING
 
 from speceyes import limits
 from speceyes.cli.options import add_funnel_args, add_model_args
+from speceyes.scale.ray_serve import add_ray_serve_args
+
+if TYPE_CHECKING:
+    from speceyes.serve import ServeSettings
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -83,22 +88,34 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     add_model_args(srv)
     add_funnel_args(srv)
+    add_ray_serve_args(srv)
     # Accepted answers leave as soon as the gate accepts them, not after their batch-mates.
     srv.set_defaults(func=run, schedule="pipelined")
 
 
 def run(args: argparse.Namespace) -> int:
     from speceyes.factory import Settings, build_funnel
-    from speceyes.serve import API_KEY_ENV, ServeSettings, serve
+    from speceyes.serve import serve
 
     # Fail on bad server settings before minutes of model loading.
     if args.max_queue < 1 or args.max_wait_ms < 0 or args.request_timeout <= 0:
         raise ValueError("need --max-queue >= 1, --max-wait-ms >= 0 and --request-timeout > 0")
+    if getattr(args, "ray", None) is not None:  # the same app as a Ray Serve deployment graph
+        from speceyes.scale.ray_serve import run_ray_serve
+
+        return run_ray_serve(args)
     funnel = build_funnel(Settings.from_args(args))
-    settings = ServeSettings(
+    return serve(funnel, serve_settings(args, funnel.config.batch_size))
+
+
+def serve_settings(args: argparse.Namespace, batch_size: int | None) -> ServeSettings:
+    """The server settings the ``serve`` flags give (the API key also from the environment)."""
+    from speceyes.serve import API_KEY_ENV, ServeSettings
+
+    return ServeSettings(
         host=args.host,
         port=args.port,
-        batch_size=funnel.config.batch_size,
+        batch_size=batch_size,
         max_wait_ms=args.max_wait_ms,
         max_queue=args.max_queue,
         model_name=args.model_name,
@@ -115,4 +132,3 @@ def run(args: argparse.Namespace) -> int:
         body_timeout=args.body_timeout,
         max_body_mb_in_flight=args.max_body_mb_in_flight,
     )
-    return serve(funnel, settings)
