@@ -25,6 +25,7 @@ MODES = ("agent", "small", "speceyes")
 CATEGORIES = ("attribute", "pope_random", "pope_popular", "pope_adversarial")
 MANIFEST = {
     "tau": 0.5,
+    "batch_size": 3,  # 8 questions a split: batches of 3, 3 and 2, so the modes take turns
     "agent": {"depth": 1},  # kind, grid and answer_prompt from the defaults
     "test": {"scenes": 2},
     "training": {"steps": 123, "note": "stand-in"},
@@ -98,7 +99,7 @@ def test_table_rows_and_columns(demo_run):
     agent = s["settings"]["agent"]
     assert (agent["kind"], agent["options"]) == ("search", {"depth": 1, "answer_prompt": "small"})
     assert agent["max_new_tokens"] == SearchAgent.Settings.max_new_tokens
-    assert s["settings"]["funnel"]["batch_size"] == s["batch_size"] == 8
+    assert s["settings"]["funnel"]["batch_size"] == s["batch_size"] == MANIFEST["batch_size"]
     assert s["settings"]["extra"]["training"] == MANIFEST["training"]
     assert s["split"]["n_scenes"] == 2 and s["split"]["level"] == 1
 
@@ -172,6 +173,98 @@ def test_speedups_follow_from_measured_times(demo_run):
     assert math.isfinite(s["rows"]["all"]["speceyes"]["analytic_speedup"])
 
 
+def test_cpu_time_per_query_and_its_speedup(demo_run):
+    s = json.loads((demo_run / "summary.json").read_text())
+    tot = {m: [0.0, 0] for m in MODES}
+    for split in SPLITS:
+        agent = _results(demo_run, split, "agent")
+        L_cpu = agent["cpu_time"] / agent["n"]
+        for mode in MODES:
+            res = _results(demo_run, split, mode)
+            state = json.loads((demo_run / "runs" / split / mode / "run.json").read_text())
+            # the run's CPU time is its batches' segments' CPU time, as its wall time is theirs
+            assert res["cpu_time"] == pytest.approx(
+                sum(seg["cpu_seconds"] for seg in state["segments"]), rel=1e-9
+            )
+            assert res["cpu_time"] > 0 and res["cpu_time_per_query"] == pytest.approx(
+                res["cpu_time"] / res["n"], rel=1e-9
+            )
+            cell = s["rows"][split][mode]
+            assert cell["cpu_time_per_query"] == pytest.approx(res["cpu_time_per_query"], rel=1e-9)
+            assert cell["cpu_speedup"] == pytest.approx(L_cpu / res["cpu_time_per_query"], rel=1e-9)
+            tot[mode][0] += res["cpu_time"]
+            tot[mode][1] += res["n"]
+    for mode in MODES:
+        cell = s["rows"]["all"][mode]
+        assert cell["cpu_time_per_query"] == pytest.approx(tot[mode][0] / tot[mode][1], rel=1e-9)
+    md = (demo_run / "summary.md").read_text()
+    cpu_table = next(b for b in md.split("\n\n") if "CPU s/query" in b.splitlines()[0])
+    head = [c.strip() for c in cpu_table.splitlines()[0].strip("|").split("|")]
+    assert head == [
+        "questions",
+        "agent-only wall s/query",
+        "agent-only CPU s/query",
+        "small-only wall s/query",
+        "small-only CPU s/query",
+        "small-only speedup wall / CPU",
+        "SpecEyes wall s/query",
+        "SpecEyes CPU s/query",
+        "SpecEyes speedup wall / CPU",
+    ]
+    all_row = next(x for x in cpu_table.splitlines() if x.startswith("| all"))
+    sp = s["rows"]["all"]["speceyes"]
+    assert all_row.split("|")[-2].strip() == f"{sp['speedup']:.2f}x / {sp['cpu_speedup']:.2f}x"
+
+
+def _segments(out: Path, split: str) -> list[tuple[float, str, int]]:
+    """(start time, mode, queries) of every time segment of a split's runs, in time order."""
+    segs = []
+    for mode in MODES:
+        state = json.loads((out / "runs" / split / mode / "run.json").read_text())
+        segs += [(seg["started"], mode, seg["queries"]) for seg in state["segments"]]
+    return sorted(segs)
+
+
+def test_modes_take_turns_batch_by_batch(demo_run):
+    """Each mode's run is one segment per batch, and the batches of a split's modes alternate
+    in a rotating order: A B C, then B C A, then C A B."""
+    bs = MANIFEST["batch_size"]
+    for split in SPLITS:
+        n = _results(demo_run, split, "agent")["n"]
+        sizes = [min(bs, n - i) for i in range(0, n, bs)]
+        assert len(sizes) >= 3  # enough batches for a full rotation
+        expected = [
+            (m, size) for b, size in enumerate(sizes) for m in (MODES[b % 3 :] + MODES[: b % 3])
+        ]
+        assert [(m, q) for _, m, q in _segments(demo_run, split)] == expected
+
+
+def _without_timings(records: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k != "timings"} for r in records]
+
+
+def test_interleaved_run_matches_one_uninterrupted_run(demo_run, models, tmp_path):
+    """Taking turns changes nothing but the timings: the same mode run on its own in one
+    run_eval call over the whole split logs the same records, in the same order."""
+    from speceyes.bench.datasets import load_jsonl
+    from speceyes.bench.runner import EvalSpec, run_eval
+    from speceyes.factory import build_funnel, make_agent, make_backend
+    from speceyes.rundir import RunDir
+
+    s = Settings.from_manifest(models / mwdemo.MANIFEST)
+    backends = {r: make_backend(getattr(s, r), settings=s.backend) for r in ("small", "large")}
+    agent = make_agent(s.resolved().agent, backends["large"])
+    funnel = build_funnel(
+        s.with_funnel(mode="speceyes"), (backends["small"], backends["large"]), agent
+    )
+    subset = demo_run / "data" / "questions-small.jsonl"
+    spec = EvalSpec(bench="jsonl", data=str(subset), output=tmp_path / "alone")
+    run_eval(spec, funnel, load_jsonl(subset), progress=False, plots=False)
+    alone = RunDir(tmp_path / "alone").records()
+    interleaved = RunDir(demo_run / "runs" / "small-targets" / "speceyes").records()
+    assert len(alone) == 8 and _without_timings(interleaved) == _without_timings(alone)
+
+
 def test_rerun_reuses_split_and_resumes(models, tmp_path, capsys):
     out = tmp_path / "out"
     args = ["demo", "--models", str(models), "--out", str(out), "--no-progress", "--modes", "small"]
@@ -186,17 +279,34 @@ def test_rerun_reuses_split_and_resumes(models, tmp_path, capsys):
     assert "(reused;" in capsys.readouterr().out
     assert q.stat().st_mtime_ns == before
     assert len((small / "samples.jsonl").read_text().splitlines()) == n_lines  # nothing redone
-    assert len(json.loads((small / "run.json").read_text())["segments"]) == 2  # resumed
+    # one segment per batch, then one (empty) for the resumed run's check of the folder
+    n_batches = -(-n_lines // MANIFEST["batch_size"])
+    assert len(json.loads((small / "run.json").read_text())["segments"]) == n_batches + 1
     assert not list(small.parent.glob("*.stale-*"))
     s = json.loads((out / "summary.json").read_text())
     assert s["modes"] == ["small"] and s["rows"]["small-targets"]["small"]["speedup"] is None
+
+    # killed after its first batch (and mid-way through logging the second): only the
+    # unlogged questions run, the logged ones are kept as they are
+    lines = (small / "samples.jsonl").read_text().splitlines(keepends=True)
+    kept = MANIFEST["batch_size"] + 1
+    (small / "samples.jsonl").write_text("".join(lines[:kept]) + lines[kept][:20])
+    (small / "results.json").unlink()
+    n_segments = len(json.loads((small / "run.json").read_text())["segments"])
+    assert main(args) == 0
+    after = (small / "samples.jsonl").read_text().splitlines(keepends=True)
+    assert after[:kept] == lines[:kept] and len(after) == n_lines
+    segments = json.loads((small / "run.json").read_text())["segments"][n_segments:]
+    assert sum(seg["queries"] for seg in segments) == n_lines - kept
+    res = json.loads((small / "results.json").read_text())  # written again, figures too
+    assert res["n"] == n_lines and res["plots"]
 
     # another tau: the old run is moved aside (kept), a fresh one is made
     assert main([*args, "--tau", "0.7"]) == 0
     stale = list(small.parent.glob("small.stale-*"))
     assert len(stale) == 1 and (stale[0] / "samples.jsonl").is_file()
     cfg = json.loads((small / "run.json").read_text())
-    assert cfg["config"]["tau"] == 0.7 and len(cfg["segments"]) == 1
+    assert cfg["config"]["tau"] == 0.7 and len(cfg["segments"]) == n_batches
 
 
 def test_missing_models_exit_2(tmp_path, monkeypatch, capsys):

@@ -215,8 +215,9 @@ def run_eval(
     score = make_scorer(judge)
 
     t0 = time.perf_counter()
+    cpu0 = time.process_time()  # CPU seconds of every thread of the process (torch's too)
     # The segment is kept current in run.json as the run goes, so a killed run's time still counts.
-    segment = {"started": time.time(), "seconds": 0.0, "queries": 0}
+    segment = {"started": time.time(), "seconds": 0.0, "cpu_seconds": 0.0, "queries": 0}
     state["segments"].append(segment)
     run_dir.write_state(state)  # a run killed before its first update still shows the segment
     last_save = t0
@@ -236,13 +237,21 @@ def run_eval(
                     refresh=False,
                 )
                 now = time.perf_counter()
-                segment.update(seconds=now - t0, queries=len(records) - len(done_records))
+                segment.update(
+                    seconds=now - t0,
+                    cpu_seconds=time.process_time() - cpu0,
+                    queries=len(records) - len(done_records),
+                )
                 if now - last_save > 1.0:
                     run_dir.write_state(state)
                     last_save = now
     finally:
         bar.close()
-        segment.update(seconds=time.perf_counter() - t0, queries=len(records) - len(done_records))
+        segment.update(
+            seconds=time.perf_counter() - t0,
+            cpu_seconds=time.process_time() - cpu0,
+            queries=len(records) - len(done_records),
+        )
         run_dir.write_state(state)
 
     results = run_results(config, records, spec.bench, state["segments"], versions(spec.models))
@@ -260,12 +269,16 @@ def run_results(
     """results.json of a run: the summary of its records, and its wall time as the sum of its
     time segments (a resumed run's segments add up; so do a merged run's shards)."""
     wall = float(sum(s["seconds"] for s in segments))
+    cpu_parts = [s.get("cpu_seconds") for s in segments]  # absent in older run folders
+    cpu = float(sum(cpu_parts)) if None not in cpu_parts else None
     return {
         "config": config,
         **summarize(records, bench),
         "wall_time": wall,
         "time_per_query": wall / len(records) if records else None,
         "qps": len(records) / wall if wall > 0 else None,
+        "cpu_time": cpu,
+        "cpu_time_per_query": cpu / len(records) if (records and cpu is not None) else None,
         "segments": segments,
         "versions": versions_info,
     }

@@ -1,12 +1,15 @@
 """``speceyes demo``: the mini-world benchmark with the two bundled trained models.
 
 One test split of mini-world scenes (:func:`speceyes.miniworld.scenes.make_split`) is split by
-target size, and each size runs agent-only, small-only and SpecEyes back to back through the
-evaluation harness (:func:`speceyes.bench.runner.run_eval`), so each mode's wall time per split
-is measured on its own. Every run folder is an ordinary ``speceyes eval`` folder
-(``samples.jsonl``, ``results.json``, ``plots/``) that ``speceyes report`` and ``speceyes regate``
-read. The table at the end (also ``summary.md`` and ``summary.json``) compares the modes and puts
-the measured SpecEyes speedup next to the analytic one from the measured per-phase costs,
+target size, and on each size agent-only, small-only and SpecEyes take turns batch by batch
+through the evaluation harness (:mod:`speceyes.miniworld.interleave` over
+:func:`speceyes.bench.runner.run_eval`): batch 1 of each mode, then batch 2 in a rotated order,
+and so on, so a change of machine load falls on every mode alike. A mode's time is the sum of its
+own batches' times, wall-clock and process CPU (all threads). Every run folder is an ordinary
+``speceyes eval`` folder (``samples.jsonl``, ``results.json``, ``plots/``) that ``speceyes
+report``, ``speceyes regate`` and ``speceyes view`` read. The table at the end (also
+``summary.md`` and ``summary.json``) compares the modes and puts the measured SpecEyes speedup
+next to the analytic one from the measured per-phase costs,
 ``L_agent / (c_J + beta*c_S + (1 - beta*alpha) * L_agent)``.
 
 Layout of ``--out``::
@@ -16,8 +19,9 @@ Layout of ``--out``::
     runs/{small-targets,large-targets}/{agent,small,speceyes}/
     summary.md, summary.json
 
-Re-running continues: a run folder made with the same settings is resumed (nothing redone); one
-made with other settings (split, models, tau, agent) is moved aside to ``NAME.stale-TIMESTAMP``.
+Re-running continues: a run folder made with the same settings is resumed (its logged batches
+are skipped, nothing is redone); one made with other settings (split, models, tau, agent) is
+moved aside to ``NAME.stale-TIMESTAMP``.
 """
 
 from __future__ import annotations
@@ -27,12 +31,12 @@ import hashlib
 import json
 import os
 import shutil
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from speceyes.factory import MANIFEST, MANIFEST_AGENT, MANIFEST_TAU
+from speceyes.miniworld.interleave import ModeRun, interleave, open_run
 from speceyes.miniworld.level1 import LEVEL1_CANVAS
 from speceyes.miniworld.summary import (
     MODE_LABEL,
@@ -56,7 +60,6 @@ LEVEL_MODELS = {1: MODELS_DIR, 2: Path(__file__).resolve().parent / "models_leve
 LEVELS = tuple(LEVEL_MODELS)
 ROLES = ("small", "large")
 DATA_DIR = "data"
-IDENTITY = "demo.json"  # per run folder: what the run's results depend on beyond run.json
 TRAIN_HINT = (
     "Train and export them with `speceyes miniworld train --out runs/mw --role small|large "
     "--stage A|B|eval ...` (see docs/miniworld-training.md), then copy the exported folders to "
@@ -118,9 +121,10 @@ EPILOG = (
     )
     + '; agent kind "deepeyes" (or its old name "zoom") runs the DeepEyes zoom-tool loop '
     "instead of the search agent; other keys (training metadata) are carried into summary.json. "
-    "Time per query is a run's wall time over its questions, so each size split runs its modes "
-    "back to back after one warm-up call per model; per category only accuracy is reported. "
-    "Threads: torch's default (set OMP_NUM_THREADS to change it)."
+    "Time per query is a run's wall time (and its process CPU time) over its questions; after "
+    "one warm-up call per model, each size split runs its modes in turns, batch by batch in a "
+    "rotating order, so a change of machine load falls on all of them alike; per category only "
+    "accuracy is reported. Threads: torch's default (set OMP_NUM_THREADS to change it)."
 )
 
 
@@ -271,16 +275,6 @@ def warm_up(backends: dict[str, Any], data: Path) -> None:
         backends["small"].answer([prompts.small_messages(img, q)], max_new_tokens=2)
 
 
-def _move_aside(run_dir: Path, why: str) -> None:
-    stale = run_dir.with_name(f"{run_dir.name}.stale-{time.strftime('%Y%m%d-%H%M%S')}")
-    n = 1
-    while stale.exists():
-        stale = stale.with_name(f"{run_dir.name}.stale-{time.strftime('%Y%m%d-%H%M%S')}-{n}")
-        n += 1
-    run_dir.rename(stale)
-    print(f"  {run_dir} was made with other settings ({why}); moved to {stale.name}")
-
-
 def _identity(key: dict, size: str, mode: str, prints: dict[str, str], s: Settings) -> dict:
     roles = {"agent": ("large",), "small": ("small",), "speceyes": ROLES}[mode]
     return {
@@ -291,61 +285,21 @@ def _identity(key: dict, size: str, mode: str, prints: dict[str, str], s: Settin
     }
 
 
-def run_one(
-    run_dir: Path,
-    mode: str,
-    subset: Path,
-    ident: dict,
-    settings: Settings,
-    backends: dict,
-    agent,
-    models: dict[str, Path],
-    progress: bool,
-) -> dict[str, Any]:
-    """One mode on one size split through the evaluation harness, resuming a matching run."""
-    from speceyes.bench.datasets import load_jsonl
-    from speceyes.bench.runner import EvalSpec, run_eval
-    from speceyes.factory import build_funnel
-    from speceyes.rundir import RunDir, RunDirError
+def run_split(runs: dict[str, ModeRun], label: str, progress: bool) -> None:
+    """The modes of one size split, interleaved batch by batch (:func:`interleave`)."""
+    from tqdm import tqdm
 
-    started = RunDir(run_dir).holds_run()
-    if started:
-        idp = run_dir / IDENTITY
-        old = json.loads(idp.read_text()) if idp.is_file() else None
-        if old != ident:
-            diff = (
-                "unknown" if old is None else ", ".join(k for k in ident if old.get(k) != ident[k])
-            )
-            _move_aside(run_dir, diff)
-            started = False
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / IDENTITY).write_text(json.dumps(ident, indent=2))
-    funnel = build_funnel(
-        settings.with_funnel(mode=mode), (backends.get("small"), backends.get("large")), agent
-    )
-    n = sum(1 for line in subset.open(encoding="utf-8") if line.strip())
+    total = sum(len(r.queries) for r in runs.values())
+    done = sum(len(r.done) for r in runs.values())
+    mode_of = {id(r): m for m, r in runs.items()}
+    with tqdm(total=total, initial=done, disable=not progress, unit="q", desc=label) as bar:
 
-    def spec(resume: bool) -> EvalSpec:
-        return EvalSpec(
-            bench="jsonl",
-            data=str(subset),
-            output=run_dir,
-            resume=resume,
-            models={r: str(p) for r, p in models.items()},
-            loader_kw={"target_size": ident["target_size"], "split": ident["split"]},
-        )
+        def on_batch(run: ModeRun, ran: int) -> None:
+            bar.set_postfix_str(MODE_LABEL[mode_of[id(run)]], refresh=False)
+            bar.update(ran)
 
-    try:
-        return run_eval(spec(started), funnel, load_jsonl(subset), total=n, progress=progress)
-    except RunDirError as e:  # config differs (e.g. tau) or an unreadable log: keep it, start over
-        _move_aside(run_dir, str(e).split(": ", 1)[-1])
-        run_dir.mkdir(parents=True)
-        (run_dir / IDENTITY).write_text(json.dumps(ident, indent=2))
-        funnel.stats = type(funnel.stats)()
-        return run_eval(spec(False), funnel, load_jsonl(subset), total=n, progress=progress)
+        interleave(list(runs.values()), on_batch)
 
-
-# ------------------------------------------------------------------------------------- summary
 
 # ----------------------------------------------------------------------------------------- main
 
@@ -445,27 +399,35 @@ def run(args: argparse.Namespace) -> int:
     # One agent for every mode's funnel, built as build_funnel would build it.
     agent = make_agent(resolved.agent, backends["large"]) if "large" in backends else None
     warm_up(backends, data)
-    for split, size in SPLITS:  # the modes of one split back to back: fair timing under noise
+    from speceyes.factory import build_funnel
+
+    for split, size in SPLITS:  # a split's modes take turns batch by batch: fair under load
         subset = subset_path(data, size)
+        runs: dict[str, ModeRun] = {}
         for mode in modes:
             run_dir = out / RUNS_DIR / split / mode
             print(f"[{SPLIT_LABEL[split]}] {MODE_LABEL[mode]} -> {run_dir}", flush=True)
-            ident = _identity(key, size, mode, prints, settings)
-            res = run_one(
-                run_dir,
-                mode,
-                subset,
-                ident,
-                settings,
-                backends,
+            funnel = build_funnel(
+                settings.with_funnel(mode=mode),
+                (backends.get("small"), backends.get("large")),
                 agent,
-                models,
-                progress=not args.no_progress,
             )
+            ident = _identity(key, size, mode, prints, settings)
+            runs[mode] = open_run(run_dir, subset, ident, funnel, models)
+        first = next(iter(runs.values()))
+        print(
+            f"  {len(first.queries)} questions; the modes take turns, "
+            f"{first.n_batches} batch(es) of {first.batch_size} each",
+            flush=True,
+        )
+        run_split(runs, SPLIT_LABEL[split], progress=not args.no_progress)
+        for mode, r in runs.items():
+            res = r.results or {}
             print(
-                f"  n={res['n']} accuracy={fmt(res['accuracy'])} "
-                f"s/query={fmt(res['time_per_query'])} beta={fmt(res['beta'], '.2f')} "
-                f"alpha={fmt(res['alpha_accept'], '.2f')}",
+                f"  {MODE_LABEL[mode]}: n={res.get('n')} accuracy={fmt(res.get('accuracy'))} "
+                f"s/query={fmt(res.get('time_per_query'))} "
+                f"CPU s/query={fmt(res.get('cpu_time_per_query'))} "
+                f"beta={fmt(res.get('beta'), '.2f')} alpha={fmt(res.get('alpha_accept'), '.2f')}",
                 flush=True,
             )
     summary = summarize_demo(out, modes)

@@ -46,8 +46,9 @@ def zoom_on_target(records: list[dict]) -> dict[str, Any]:
     return {"n": n, "hits": hits, "share": hits / n if n else None}
 
 
-def _cell(records: list[dict], wall: float) -> dict[str, Any]:
-    """Accuracy, time, phase costs and funnel counts of a set of records run in ``wall`` s."""
+def _cell(records: list[dict], wall: float, cpu: float | None = None) -> dict[str, Any]:
+    """Accuracy, time, phase costs and funnel counts of a set of records run in ``wall`` s
+    (``cpu`` s of process CPU time; None when a run folder did not record it)."""
     from speceyes.bench.runner import summarize
 
     s = summarize(records, "jsonl")
@@ -60,6 +61,8 @@ def _cell(records: list[dict], wall: float) -> dict[str, Any]:
         "n_errors": s["n_errors"],
         "wall_time": wall,
         "time_per_query": wall / n if n else None,
+        "cpu_time": cpu,
+        "cpu_time_per_query": cpu / n if (n and cpu is not None) else None,
         **c,
         "beta": s["beta"],
         "alpha": s["alpha_accept"],
@@ -74,9 +77,11 @@ def _cell(records: list[dict], wall: float) -> dict[str, Any]:
 def _add_speedups(row: dict[str, dict]) -> None:
     agent = row.get("agent")
     L = agent["time_per_query"] if agent else None
+    L_cpu = agent["cpu_time_per_query"] if agent else None
     for mode, cell in row.items():
-        tpq = cell["time_per_query"]
+        tpq, cpq = cell["time_per_query"], cell["cpu_time_per_query"]
         cell["speedup"] = L / tpq if (L and tpq) else None
+        cell["cpu_speedup"] = L_cpu / cpq if (L_cpu and cpq) else None
         if mode == "speceyes":
             cell["L_agent"] = L
             ok = L and cell["c_J"] is not None
@@ -92,20 +97,22 @@ def summarize_demo(out: Path, modes: list[str]) -> dict[str, Any]:
     from speceyes.rundir import RunDir
 
     rows: dict[str, dict[str, dict]] = {}
-    pooled: dict[str, tuple[list, float]] = {}
+    pooled: dict[str, tuple[list, float, float | None]] = {}
     for split, _ in SPLITS:
         rows[split] = {}
         for mode in modes:
             d = out / RUNS_DIR / split / mode
             res, recs = RunDir(d).read_results(), RunDir(d).records()
-            rows[split][mode] = {**_cell(recs, float(res["wall_time"])), "run": str(d)}
-            prev_recs, prev_wall = pooled.get(mode, ([], 0.0))
-            pooled[mode] = (prev_recs + recs, prev_wall + float(res["wall_time"]))
-    rows["all"] = {m: _cell(recs, wall) for m, (recs, wall) in pooled.items()}
+            wall, cpu = float(res["wall_time"]), res.get("cpu_time")  # no CPU time: older runs
+            rows[split][mode] = {**_cell(recs, wall, cpu), "run": str(d)}
+            prev_recs, prev_wall, prev_cpu = pooled.get(mode, ([], 0.0, 0.0))
+            both = None if prev_cpu is None or cpu is None else prev_cpu + float(cpu)
+            pooled[mode] = (prev_recs + recs, prev_wall + wall, both)
+    rows["all"] = {m: _cell(recs, wall, cpu) for m, (recs, wall, cpu) in pooled.items()}
     for r in rows.values():
         _add_speedups(r)
     cats: dict[str, dict[str, dict]] = {}
-    for mode, (recs, _) in pooled.items():
+    for mode, (recs, _, _) in pooled.items():
         by: dict[str, list[bool]] = {}
         for r in recs:
             by.setdefault(r.get("category") or "(none)", []).append(record_correct(r))
@@ -275,8 +282,9 @@ def format_table(summary: dict[str, Any]) -> str:
     notes = [
         "",
         "s/query: the run's wall time / its questions (batches of "
-        f"{summary.get('batch_size', '?')}); 'all' pools both splits: total time / total "
-        "questions. speedup: agent-only s/query / the mode's s/query.",
+        f"{summary.get('batch_size', '?')}; a split's modes ran in turns, batch by batch in a "
+        "rotating order); 'all' pools both splits: total time / total questions. speedup: "
+        "agent-only s/query / the mode's s/query.",
         "beta: share of questions the judge sent to the small model; alpha: share of those the "
         "gate accepted. analytic speedup: L_agent / (c_J + beta*c_S + (1 - beta*alpha)*L_agent) "
         "from the measured costs below; share of analytic: measured / analytic.",
@@ -308,11 +316,40 @@ def format_table(summary: dict[str, Any]) -> str:
     return "\n".join(lines + notes) + "\n"
 
 
+def format_cpu_table(summary: dict[str, Any]) -> str:
+    """Wall-clock and process CPU seconds per query side by side, and the speedup by each."""
+    modes = summary["modes"]
+    head = ["questions"]
+    for m in modes:
+        lab = MODE_LABEL[m]
+        head += [f"{lab} wall s/query", f"{lab} CPU s/query"]
+        if m != "agent":
+            head.append(f"{lab} speedup wall / CPU")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for key, row in summary["rows"].items():
+        cells = [f"{SPLIT_LABEL[key]} (n={next(iter(row.values()))['n']})" if row else key]
+        for m in modes:
+            c = row[m]
+            cells += [fmt(c["time_per_query"]), fmt(c.get("cpu_time_per_query"))]
+            if m != "agent":
+                wall, cpu = fmt(c["speedup"], ".2f", "x"), fmt(c.get("cpu_speedup"), ".2f", "x")
+                cells.append(f"{wall} / {cpu}")
+        lines.append("| " + " | ".join(cells) + " |")
+    notes = [
+        "",
+        "CPU s/query: the process CPU time of the mode's batches (all threads) / its questions; "
+        "unlike wall time it leaves out the time the process waited for a core. Both are "
+        "measured over the same interleaved batches.",
+    ]
+    return "\n".join(lines + notes) + "\n"
+
+
 def format_report(summary: dict[str, Any]) -> str:
-    """The table, then (when the targets were checked) the checks and the targets' verdicts."""
+    """The table and the CPU-time table, then (when the targets were checked) the checks and
+    the targets' verdicts."""
     from speceyes.miniworld.targets import format_targets
 
-    text = format_table(summary)
+    text = format_table(summary) + "\n" + format_cpu_table(summary)
     if summary.get("targets"):
         text += "\n" + format_checks(summary) + "\n" + format_targets(summary["targets"])
     return text
