@@ -82,9 +82,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="on SIGTERM/Ctrl-C: seconds to answer admitted requests before exiting",
     )
     add_model_args(srv)
-    add_funnel_args(srv)
     # Accepted answers leave as soon as the gate accepts them, not after their batch-mates.
-    srv.set_defaults(func=run, schedule="pipelined")
+    add_funnel_args(srv, schedule="pipelined")
+    srv.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
