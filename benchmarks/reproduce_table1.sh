@@ -33,8 +33,8 @@ AGGS=${AGGS:-min}
 # (MAC-AutoML/SpecEyes vis/vis_ablation_thres.py: each min cell equals that threshold's entry).
 TAU_DEEPEYES_VSTAR=0.98 TAU_DEEPEYES_HR=0.97 TAU_DEEPEYES_POPE=0.97
 TAU_THYME_VSTAR=0.98 TAU_THYME_HR=0.98 TAU_THYME_POPE=0.97
-# The draft-only row (the small model alone). Its published prompt is the authors' separate
-# small-model script, which --mode small --protocol published does not copy exactly.
+# The draft-only row (the small model alone): --mode small --protocol published sends the
+# prompt of the authors' separate small-model script, at its batch size 8.
 DRAFT=${DRAFT:-1}
 # Split every eval into SHARDS parts (speceyes eval --shard i/N) and merge them. The parts run
 # one after another here; to use N GPUs, run each part in its own shell with

@@ -4,8 +4,9 @@
 models manifest (:meth:`Settings.from_manifest`) or from its own dict (:meth:`Settings.from_dict`,
 the inverse of :meth:`Settings.to_dict`). A calibration file is applied by
 :meth:`Settings.with_calibration`, which refuses a file made for another setup. Unset values
-(``None``) stay unset until :meth:`Settings.resolved` fills them: the protocol's loop budgets and
-batch size, and the agent's own gate threshold. None of these change their input.
+(``None``) stay unset until :meth:`Settings.resolved` fills them: the protocol's loop budgets,
+batch size and schedule, and the gate threshold (the protocol's for the benchmark, else the
+agent's own). None of these change their input.
 
 :func:`build_funnel` loads the models a resolved settings object names and builds the funnel;
 ``ask``, ``eval``, ``serve`` and the demo all build through it, so a model spec, an agent name
@@ -91,7 +92,8 @@ class Settings:
     """Everything a funnel is built from. ``small``/``large`` are folders, hub ids or
     OpenAI-compatible URLs (comma-separated for replicas); families name the model behind a
     URL. ``extra`` carries a manifest's keys that are not funnel settings (its world and
-    training metadata)."""
+    training metadata). ``bench`` is the benchmark's registry name where one is run (``eval``):
+    the published protocol's tau depends on it."""
 
     small: str | None = None
     large: str | None = None
@@ -101,6 +103,7 @@ class Settings:
     agent: AgentSettings = field(default_factory=AgentSettings)
     funnel: FunnelConfig = field(default_factory=FunnelConfig)
     extra: dict[str, Any] = field(default_factory=dict)
+    bench: str | None = None
 
     # ---- sources --------------------------------------------------------------------------
     @classmethod
@@ -127,7 +130,7 @@ class Settings:
             judge=arg("judge", f.judge),
             judge_max_pixels=arg("judge_max_pixels"),
             batch_size=arg("batch_size"),
-            schedule=arg("schedule", f.schedule),
+            schedule=arg("schedule"),  # None: the protocol's
             overlap=bool(arg("overlap", f.overlap)),
             max_agent_loops=arg("max_agent_loops", f.max_agent_loops),
             protocol=arg("protocol", f.protocol),
@@ -257,11 +260,16 @@ class Settings:
         return replace(self, funnel=replace(self.funnel, **changes))
 
     def resolved(self) -> Settings:
-        """Every unset value filled: the loop budgets and batch size from the protocol (for the
-        agent's family), tau from the agent's ``default_tau``; the agent's name canonical."""
+        """Every unset value filled: the loop budgets, batch size and schedule from the protocol
+        (for the agent's family and the mode), tau from the protocol for the benchmark
+        (``published``: Table 1's) or else the agent's ``default_tau``; the agent's name
+        canonical."""
         a, f = self.agent, self.funnel
         cls = a.agent_class()
-        budget = protocols.get_protocol(f.protocol).loop_settings(_family(cls))
+        protocol = protocols.get_protocol(f.protocol)
+        family = _family(cls)
+        budget = protocol.loop_settings(family, mode=f.mode)
+        tau = _first(protocol.default_tau(family, self.bench), cls.default_tau)
         agent = replace(
             a,
             kind=cls.name,
@@ -270,8 +278,9 @@ class Settings:
         )
         funnel = replace(
             f,
-            tau=_first(f.tau, cls.default_tau),
+            tau=_first(f.tau, tau),
             batch_size=_first(f.batch_size, budget.batch_size),
+            schedule=_first(f.schedule, protocol.schedule),
         )
         return replace(self, agent=agent, funnel=funnel)
 

@@ -15,7 +15,7 @@ baselines are modes of the same funnel, each a row of :data:`PLANS`: ``agent`` (
 query, routed as ``speceyes`` would, so any gate setting can be replayed offline from the logs).
 A query's route is decided once, by :func:`route_of`, when its result is final.
 
-Two schedules compose the same steps and give the same results for the same inputs under
+Three schedules compose the same steps and give the same results for the same inputs under
 greedy decoding:
 
 - ``batched``: each batch of queries goes through I-III, then its agent loops run together.
@@ -23,6 +23,8 @@ greedy decoding:
   agent loops join and leave one shared batch as they start and finish (continuous batching,
   at most ``max_agent_loops`` in flight), so an engine always has a full batch of agent turns.
   Results come out in completion order.
+- ``serial``: ``batched``, but a batch's agent loops run one at a time, as the released SpecEyes
+  code runs them (the ``published`` protocol's default, so speedups share its denominator).
 
 ``overlap`` runs phase II on the whole batch at the same time as phase I (the small model's
 answers for queries the judge sends to tools are then discarded), which hides the small model's
@@ -73,6 +75,7 @@ from speceyes.types import (  # the funnel's vocabulary, re-exported for older i
     Query,
     Result,
     Route,
+    Schedule,
     SpecAnswer,
 )
 
@@ -95,7 +98,7 @@ class FunnelConfig:
     # None: the protocol's (factory.Settings.resolved); left out: the fair protocol's
     batch_size: int | None = protocols.FAIR.loop_settings().batch_size
     max_new_tokens: int = 20
-    schedule: Literal["batched", "pipelined"] = "batched"
+    schedule: Schedule | None = "batched"  # None: the protocol's (EvalProtocol.schedule)
     overlap: bool = False
     max_agent_loops: int = 32
     protocol: str = "fair"  # or "published": the authors' prompts and rules (protocols.py)
@@ -104,7 +107,7 @@ class FunnelConfig:
         protocols.check_protocol(self.protocol)
         if self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r}; choose from {', '.join(MODES)}")
-        if self.schedule not in SCHEDULES:
+        if self.schedule is not None and self.schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {self.schedule!r}; choose from {SCHEDULES}")
         if self.agg not in gate.AGGREGATIONS:
             raise ValueError(f"unknown aggregation {self.agg!r}")
@@ -229,6 +232,9 @@ class Funnel:
         if self.config.tau is None:  # the agent's own threshold (the base one without an agent)
             default = getattr(agent, "default_tau", LoopAgent.default_tau)
             self.config = replace(self.config, tau=default)
+        if self.config.schedule is None:
+            schedule = protocols.get_protocol(self.config.protocol).schedule
+            self.config = replace(self.config, schedule=schedule)
         self.config.validate()
         mode = self.config.mode
         self.plan = PLANS[mode]
@@ -479,14 +485,16 @@ class Funnel:
 
     # ---- phase IV -------------------------------------------------------------------------
     def _agent(self, batch: Batch) -> None:
-        """Phase IV for one batch (the batched schedule): its agent loops run together."""
+        """Phase IV for one batch: its agent loops run together (batched) or one by one
+        (serial)."""
         pending = iter(batch.to_agent)
 
         def take(block: bool) -> Any:
             i = next(pending, None)
             return END if i is None else ((batch, i), batch.live[i])
 
-        for _ in self._agent_loops(take, max_active=None):
+        max_active = 1 if self.config.schedule == "serial" else None
+        for _ in self._agent_loops(take, max_active=max_active):
             pass
 
     def _agent_loops(self, take: Callable[[bool], Any], max_active: int | None) -> Iterator[Result]:

@@ -12,7 +12,11 @@ SpecEyes code (github.com/MAC-AutoML/SpecEyes, ``eval_code_deepeyes/`` and
 * every image shown to the judge and the small model is first resized by SpecEyes' own
   ``smart_resize`` (factor 28, at most 16384*28*28 pixels, bicubic): the cap qwen-vl-utils
   0.0.14 applies before the Qwen3-VL processor sees it;
-* batch size 6; ``log`` aggregation over the full vocabulary where the backend has it.
+* batch size 6; ``log`` aggregation over the full vocabulary where the backend has it;
+* phase IV one query at a time (the ``serial`` schedule), the agent-only baseline included;
+* tau per backbone and benchmark as in Table 1 (:data:`PUBLISHED_TAU`) when none is given;
+* the small-only mode (Table 1's draft-only row) as the authors' small-model script: its own
+  unindented question block (:func:`published_draft_block`) and batch size 8.
 
 Each protocol is one object, :data:`FAIR` or :data:`PUBLISHED` (an :class:`EvalProtocol`),
 picked once by name (:func:`get_protocol`); its methods build phase I and II messages, compute
@@ -25,7 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -36,7 +40,7 @@ from speceyes.backends.base import Backend
 from speceyes.images import View, load_image
 from speceyes.judging import JUDGE_DECODE_TOKENS, JudgeMode, tool_probability
 from speceyes.limits import OPTION_LETTERS
-from speceyes.types import Query, SpecAnswer
+from speceyes.types import Query, Schedule, SpecAnswer
 
 # The agent families the published code covers.
 PUBLISHED_AGENTS: tuple[str, ...] = ("deepeyes", "thyme")
@@ -96,6 +100,25 @@ PUBLISHED_FACTOR = 28
 PUBLISHED_MIN_PIXELS = 4 * 28 * 28
 PUBLISHED_MAX_PIXELS = 16384 * 28 * 28
 PUBLISHED_BATCH_SIZE = 6  # --batch_size default of both eval scripts
+# scripts/small_model_batch_inference.py: --batch_size default (:407) and the prompt it builds
+# (:379-387): no indentation, unlike the SpecEyes.py block; POPE has no options.
+PUBLISHED_DRAFT_BATCH_SIZE = 8
+PUBLISHED_DRAFT_OPTIONS = "Question: {question}\nOptions: {options}"
+PUBLISHED_DRAFT_PLAIN = "Question: {question}\n"
+DRAFT_FAMILY = "draft"  # the published small-only mode: the small-model script's layout
+
+# Table 1's tau per backbone and benchmark. The code states none (the script defaults are
+# DeepEyes 0.98, eval_code_deepeyes/SpecEyes.py:29, and Thyme 0.95, eval_code_thyme/SpecEyes.py:
+# 36); every Table 1 SpecEyes (min) cell equals the entry for these thresholds in the per-tau
+# data of vis/vis_ablation_thres.py:121-217 (matched against figures/result.png).
+PUBLISHED_TAU: dict[tuple[str, str], float] = {
+    ("deepeyes", "vstar"): 0.98,
+    ("deepeyes", "hrbench"): 0.97,
+    ("deepeyes", "pope"): 0.97,
+    ("thyme", "vstar"): 0.98,
+    ("thyme", "hrbench"): 0.98,
+    ("thyme", "pope"): 0.97,
+}
 
 
 @dataclass(frozen=True)
@@ -105,6 +128,16 @@ class LoopSettings:
     batch_size: int
     agent_max_tokens: int
     max_tool_calls: int
+
+
+def _options_block(options: Sequence[str]) -> str:
+    """``"\\nA. x\\nB. y\\n"``: the option string both published scripts build (abc_map)."""
+    if len(options) > len(PUBLISHED_DEEPEYES_LETTERS):
+        raise ValueError(
+            f"the published DeepEyes code letters at most {len(PUBLISHED_DEEPEYES_LETTERS)} "
+            f"options, got {len(options)}"
+        )
+    return "\n" + "".join(f"{PUBLISHED_DEEPEYES_LETTERS[i]}. {o}\n" for i, o in enumerate(options))
 
 
 _FAIR = LoopSettings(batch_size=8, agent_max_tokens=1024, max_tool_calls=5)
@@ -121,13 +154,14 @@ def published_question_block(question: str, options: Sequence[str] | None) -> st
     """SpecEyes' DeepEyes block: ``"Question: q\\n        Options: \\nA. x\\nB. y\\n\\n        "``."""
     if not options:
         return PUBLISHED_BLOCK_PLAIN.format(question=question)
-    if len(options) > len(PUBLISHED_DEEPEYES_LETTERS):
-        raise ValueError(
-            f"the published DeepEyes code letters at most {len(PUBLISHED_DEEPEYES_LETTERS)} "
-            f"options, got {len(options)}"
-        )
-    opts = "\n" + "".join(f"{PUBLISHED_DEEPEYES_LETTERS[i]}. {o}\n" for i, o in enumerate(options))
-    return PUBLISHED_BLOCK_OPTIONS.format(question=question, options=opts)
+    return PUBLISHED_BLOCK_OPTIONS.format(question=question, options=_options_block(options))
+
+
+def published_draft_block(question: str, options: Sequence[str] | None) -> str:
+    """The small-model script's block: ``"Question: q\\nOptions: \\nA. x\\nB. y\\n"``."""
+    if not options:
+        return PUBLISHED_DRAFT_PLAIN.format(question=question)
+    return PUBLISHED_DRAFT_OPTIONS.format(question=question, options=_options_block(options))
 
 
 def published_thyme_question(
@@ -224,15 +258,21 @@ class EvalProtocol:
     where the released code differs. ``family`` is an agent family (:meth:`family_of`)."""
 
     name = "fair"
+    schedule: Schedule = "batched"  # phase IV's schedule unless one is given (funnel.py)
 
     def family_of(self, agent_name: str | None) -> str:
-        """The agent family whose published layout applies (the small-only mode, no agent,
-        uses the DeepEyes layout, as the authors' small-model script does)."""
+        """The agent family whose layout applies (the small-only mode, no agent, uses the
+        DeepEyes layout)."""
         name = agent_name or "deepeyes"
         return name if name in PUBLISHED_AGENTS else "deepeyes"
 
-    def loop_settings(self, agent: str = "deepeyes") -> LoopSettings:
+    def loop_settings(self, agent: str = "deepeyes", mode: str = "speceyes") -> LoopSettings:
         return _FAIR
+
+    def default_tau(self, agent: str, bench: str | None) -> float | None:
+        """The gate threshold for ``agent`` on benchmark ``bench`` (a registry name) when none
+        is given; None: the agent's own ``default_tau``."""
+        return None
 
     def question_text(self, family: str, question: str, options: Sequence[str] | None) -> str:
         """The text phases I and II put before their suffix."""
@@ -284,21 +324,36 @@ class PublishedProtocol(EvalProtocol):
     """The released SpecEyes code's rules (module docstring); DeepEyes and Thyme only."""
 
     name = "published"
+    # eval_code_deepeyes/SpecEyes.py:687-692, eval_code_thyme/SpecEyes.py:482: every routed
+    # query's loop runs alone, the --baseline run's too.
+    schedule: Schedule = "serial"
 
     def family_of(self, agent_name: str | None) -> str:
-        name = agent_name or "deepeyes"
-        if name not in PUBLISHED_AGENTS:
+        """The agent's family; no agent (the small-only mode) is :data:`DRAFT_FAMILY`."""
+        if agent_name is None:
+            return DRAFT_FAMILY
+        if agent_name not in PUBLISHED_AGENTS:
             raise ValueError(
-                f"the published protocol covers the deepeyes and thyme agents, not {name!r}"
+                f"the published protocol covers the deepeyes and thyme agents, not {agent_name!r}"
             )
-        return name
+        return agent_name
 
-    def loop_settings(self, agent: str = "deepeyes") -> LoopSettings:
-        return _PUBLISHED[self.family_of(agent)]
+    def loop_settings(self, agent: str = "deepeyes", mode: str = "speceyes") -> LoopSettings:
+        """The agent's budgets; the small-only mode batches as the small-model script does."""
+        settings = _PUBLISHED[self.family_of(agent)]
+        if mode == "small":
+            return replace(settings, batch_size=PUBLISHED_DRAFT_BATCH_SIZE)
+        return settings
+
+    def default_tau(self, agent: str, bench: str | None) -> float | None:
+        """Table 1's threshold (:data:`PUBLISHED_TAU`) for a published benchmark."""
+        return PUBLISHED_TAU.get((self.family_of(agent), bench or ""))
 
     def question_text(self, family: str, question: str, options: Sequence[str] | None) -> str:
         """With Thyme a question without options is taken as POPE's (the only such published
         benchmark)."""
+        if family == DRAFT_FAMILY:
+            return published_draft_block(question, options)
         if family == "thyme":
             kind = "mcq" if options else "yorn"
             full = published_thyme_question(question, options, kind)

@@ -155,7 +155,9 @@ def test_loop_settings_and_batch_size():
     with pytest.raises(ValueError, match="deepeyes and thyme"):
         PUBLISHED.family_of("search")
     assert FAIR.family_of("search") == "deepeyes" and FAIR.family_of("thyme") == "thyme"
-    assert PUBLISHED.family_of(None) == "deepeyes"  # small-only: the DeepEyes layout
+    # small-only: the small-model script's layout (scripts/small_model_batch_inference.py:379-387)
+    assert PUBLISHED.family_of(None) == protocols.DRAFT_FAMILY
+    assert FAIR.family_of(None) == "deepeyes"
 
 
 def test_log_aggregation_over_the_full_vocabulary():

@@ -143,7 +143,13 @@ def image_profiles() -> dict[str, BenchImages]:
 
 
 def _vstar_flags(args: Any) -> dict[str, Any]:
-    return {"shuffle": not args.no_shuffle, "seed": args.seed}
+    """Options are shuffled unless ``--no-shuffle``; under ``--protocol published`` they keep
+    the published order (the authors never shuffle) unless ``--shuffle``."""
+    if getattr(args, "shuffle", False):
+        shuffle = True
+    else:
+        shuffle = not args.no_shuffle and getattr(args, "protocol", "fair") != "published"
+    return {"shuffle": shuffle, "seed": args.seed}
 
 
 def _pope_flags(args: Any) -> dict[str, Any]:

@@ -30,10 +30,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="with --resume: redo logged queries that ended in an error (e.g. a dead server)",
     )
-    ev.add_argument(
+    order = ev.add_mutually_exclusive_group()
+    order.add_argument(
         "--no-shuffle",
         action="store_true",
-        help="V*: keep published option order (answer always A)",
+        help="V*: keep published option order (answer always A; --protocol published does)",
+    )
+    order.add_argument(
+        "--shuffle", action="store_true", help="V*: shuffle the options under published too"
     )
     ev.add_argument("--seed", type=int, default=0, help="V*: option shuffle seed")
     ev.add_argument("--split", default=None, help="POPE: adversarial | popular | random")
@@ -56,6 +60,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from dataclasses import replace
     from pathlib import Path
 
     from speceyes.bench.benchmarks import load_from_args
@@ -71,7 +76,8 @@ def run(args: argparse.Namespace) -> int:
     first = next(queries, None)  # surface a bad --data before any model is loaded
     if first is None:
         raise ValueError(f"no queries found in {args.data}")
-    funnel = build_funnel(Settings.from_args(args))
+    # The benchmark's name: the published protocol's tau depends on it.
+    funnel = build_funnel(replace(Settings.from_args(args), bench=bench))
     out = Path(args.output or f"runs/{bench}-{funnel.config.mode}")
     spec = EvalSpec(
         bench=bench,

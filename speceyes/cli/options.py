@@ -92,8 +92,11 @@ def add_model_args(p: argparse.ArgumentParser, *, required: bool = True) -> None
     )
 
 
-def add_funnel_args(p: argparse.ArgumentParser) -> None:
+def add_funnel_args(p: argparse.ArgumentParser, *, schedule: str | None = None) -> None:
+    """The funnel flags; ``schedule`` is the command's own default (None: the protocol's)."""
     f = FunnelConfig
+    by_protocol = "; ".join(f"{p.name} {p.schedule}" for p in protocols.PROTOCOLS.values())
+    schedule_shown = schedule or f"the protocol's: {by_protocol}"
     g = p.add_argument_group("funnel")
     g.add_argument(
         "--mode",
@@ -118,7 +121,11 @@ def add_funnel_args(p: argparse.ArgumentParser) -> None:
     )
     taus = ", ".join(f"{n} {registry.AGENTS[n].default_tau}" for n in registry.choices())
     g.add_argument(
-        "--tau", type=float, default=None, help=f"gate threshold (default: the agent's own: {taus})"
+        "--tau",
+        type=float,
+        default=None,
+        help="gate threshold (default: published, on V*, HR-Bench or POPE: Table 1's per "
+        f"backbone and benchmark; else the agent's own: {taus})",
     )
     g.add_argument(
         "--top-k", type=int, default=f.top_k, help=f"K for separability (default: {f.top_k})"
@@ -170,11 +177,12 @@ def add_funnel_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--schedule",
-        default=f.schedule,
+        default=schedule,
         choices=SCHEDULES,
         help="batched: each batch runs phases I-IV before the next; pipelined: phases I-III of "
         "later batches run while agent loops continue, and agent loops join one continuous "
-        "batch (results in completion order) (default: %(default)s)",
+        "batch (results in completion order); serial: batched, but one agent loop at a time "
+        f"(default: {schedule_shown})",
     )
     g.add_argument(
         "--overlap", action="store_true", help="run phase II beside phase I (separate devices)"

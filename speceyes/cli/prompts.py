@@ -19,6 +19,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     # the agents whose prompts the published code has (the dump covers their first turns)
     pr.add_argument("--agent", default=PUBLISHED_AGENTS[0], choices=PUBLISHED_AGENTS)
     pr.add_argument("--no-shuffle", action="store_true", help="V*: original option order")
+    pr.add_argument("--shuffle", action="store_true", help="V*: shuffle under published too")
     pr.add_argument("--seed", type=int, default=0, help="V*: option shuffle seed")
     pr.add_argument("--split", default=None, help="POPE split")
     pr.add_argument("--image-dir", default=None, help="POPE: COCO folder of the original JSONL")

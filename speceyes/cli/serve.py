@@ -87,10 +87,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="on SIGTERM/Ctrl-C: seconds to answer admitted requests before exiting",
     )
     add_model_args(srv)
-    add_funnel_args(srv)
-    add_ray_serve_args(srv)
     # Accepted answers leave as soon as the gate accepts them, not after their batch-mates.
-    srv.set_defaults(func=run, schedule="pipelined")
+    add_funnel_args(srv, schedule="pipelined")
+    add_ray_serve_args(srv)
+    srv.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

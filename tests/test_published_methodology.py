@@ -1,0 +1,250 @@
+"""``--protocol published`` runs the released SpecEyes code's methodology, not only its prompts:
+phase IV one query at a time, Table 1's tau per backbone and benchmark, V* options in their
+published order, and the small-model script's own prompt and batch size for the draft-only row.
+
+Sources are github.com/MAC-AutoML/SpecEyes at 90d950f, cited by file and line.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+
+from speceyes import prompts, protocols
+from speceyes.agents.base import AgentOutcome, LoopAgent
+from speceyes.bench.benchmarks import get as get_bench
+from speceyes.cli import build_parser
+from speceyes.factory import AgentSettings, Settings
+from speceyes.funnel import Funnel, FunnelConfig
+from speceyes.protocols import FAIR, PUBLISHED
+from speceyes.types import Query, SpecAnswer
+from tests.conftest import make_scene
+
+
+# ---- 1. phase IV schedule: eval_code_deepeyes/SpecEyes.py:687-692 ------------------------------
+@dataclass
+class _Loop:
+    turns_left: int
+    outcome: AgentOutcome = field(default_factory=lambda: AgentOutcome(answer=""))
+    done: bool = False
+    started: float = field(default_factory=time.perf_counter)
+
+
+class _Recorder(LoopAgent):
+    """Query "n" ends after n turns; records how many loops share each turn."""
+
+    name = "deepeyes"  # a family the published protocol covers
+    max_new_tokens = 1
+
+    def __init__(self) -> None:
+        self.turn_sizes: list[int] = []
+
+    def start_loop(self, query: Query) -> _Loop:
+        return _Loop(int(query.question))
+
+    def _turn(self, active: list[_Loop]) -> None:
+        self.turn_sizes.append(len(active))
+        for lp in active:
+            lp.turns_left -= 1
+            if lp.turns_left <= 0:
+                lp.outcome.answer, lp.done = "A", True
+
+
+def _queries(turns: list[int]) -> list[Query]:
+    img = make_scene(size=(64, 48))
+    return [Query(id=str(i), image=img, question=str(n)) for i, n in enumerate(turns)]
+
+
+def _agent_only(schedule: str | None, protocol: str = "fair") -> tuple[list, _Recorder]:
+    agent = _Recorder()
+    cfg = FunnelConfig(mode="agent", tau=0.5, batch_size=4, schedule=schedule, protocol=protocol)
+    results = Funnel(None, object(), agent, cfg).run(_queries([2, 3, 1, 2, 1]))
+    return results, agent
+
+
+def test_serial_schedule_runs_one_agent_loop_at_a_time():
+    serial, rec = _agent_only("serial")
+    assert rec.turn_sizes == [1] * (2 + 3 + 1 + 2 + 1)  # every turn has one loop in it
+    batched, rec_b = _agent_only("batched")
+    assert max(rec_b.turn_sizes) == 4  # the batched schedule shares turns: the test can fail
+    assert all(r.answer == "A" and r.error is None for r in serial)
+    # Same answers, same input order; only the schedule (and so the time) differs.
+    assert [(r.id, r.answer, r.route) for r in serial] == [
+        (r.id, r.answer, r.route) for r in batched
+    ]
+
+
+def test_published_protocol_defaults_to_the_serial_schedule():
+    assert PUBLISHED.schedule == "serial" and FAIR.schedule == "batched"
+    # Unset (the CLI without --schedule): the protocol's, in the funnel and in Settings.
+    _, rec = _agent_only(None, protocol="published")
+    assert set(rec.turn_sizes) == {1}
+    s = Settings(funnel=FunnelConfig(protocol="published", schedule=None, batch_size=None))
+    assert s.resolved().funnel.schedule == "serial"
+    fair = Settings(funnel=FunnelConfig(protocol="fair", schedule=None, batch_size=None))
+    assert fair.resolved().funnel.schedule == "batched"
+
+
+def _eval_args(*flags: str):
+    argv = ["eval", "--bench", "vstar", "--data", "d", "--small", "s", "--large", "l"]
+    return build_parser().parse_args([*argv, *flags])
+
+
+def test_schedule_flag_still_overrides_the_protocol():
+    args = _eval_args("--protocol", "published")
+    assert Settings.from_args(args).resolved().funnel.schedule == "serial"
+    args = _eval_args("--protocol", "published", "--schedule", "batched")
+    assert Settings.from_args(args).resolved().funnel.schedule == "batched"
+    args = _eval_args()
+    assert Settings.from_args(args).resolved().funnel.schedule == "batched"
+
+
+# ---- 2. tau per benchmark: parity audit row 20 (vis/vis_ablation_thres.py:121-217) -------------
+@pytest.mark.parametrize(
+    ("agent", "bench", "tau"),
+    [
+        ("deepeyes", "vstar", 0.98),
+        ("deepeyes", "hrbench", 0.97),
+        ("deepeyes", "pope", 0.97),
+        ("thyme", "vstar", 0.98),
+        ("thyme", "hrbench", 0.98),
+        ("thyme", "pope", 0.97),
+    ],
+)
+def test_published_tau_is_table_1s_per_backbone_and_benchmark(agent, bench, tau):
+    s = Settings(agent=AgentSettings(kind=agent), funnel=FunnelConfig(protocol="published"))
+    s.bench = bench
+    assert s.resolved().funnel.tau == tau
+    # The fair protocol keeps the agent's own threshold; a given tau always wins.
+    agent_tau = AgentSettings(kind=agent).agent_class().default_tau
+    fair = Settings(agent=AgentSettings(kind=agent), bench=bench)
+    assert fair.resolved().funnel.tau == agent_tau
+    given = Settings(
+        agent=AgentSettings(kind=agent), funnel=FunnelConfig(protocol="published", tau=0.5)
+    )
+    given.bench = bench
+    assert given.resolved().funnel.tau == 0.5
+
+
+def test_published_tau_without_a_published_benchmark_is_the_agents():
+    for bench in (None, "jsonl"):
+        s = Settings(
+            agent=AgentSettings(kind="thyme"),
+            funnel=FunnelConfig(protocol="published"),
+            bench=bench,
+        )
+        assert s.resolved().funnel.tau == AgentSettings(kind="thyme").agent_class().default_tau
+
+
+def test_eval_passes_the_benchmark_name_to_the_settings(tmp_path, monkeypatch):
+    import json
+
+    import speceyes.factory as factory
+    from speceyes.cli import main
+
+    for category in ("direct_attributes", "relative_position"):
+        folder = tmp_path / category
+        folder.mkdir()
+        make_scene(size=(64, 48)).save(folder / "sa_1.jpg")
+        ann = {"question": "What color?", "options": ["red", "blue"]}
+        (folder / "sa_1.json").write_text(json.dumps(ann))
+    seen: list[Settings] = []
+
+    class _Stop(Exception):
+        pass
+
+    def fake_build(settings, *a, **kw):
+        seen.append(settings)
+        raise _Stop
+
+    monkeypatch.setattr(factory, "build_funnel", fake_build)
+    argv = ["eval", "--bench", "v*", "--data", str(tmp_path), "--small", "s", "--large", "l"]
+    with pytest.raises(_Stop):
+        main([*argv, "--protocol", "published", "--agent", "thyme"])
+    assert seen[0].bench == "vstar"  # the registry's name, not the alias given
+    assert seen[0].resolved().funnel.tau == protocols.PUBLISHED_TAU[("thyme", "vstar")]
+
+
+# ---- 3. V* options unshuffled: eval_code_deepeyes/SpecEyes.py:52-75 (options as listed) --------
+@pytest.mark.parametrize(
+    ("flags", "shuffled"),
+    [
+        ((), True),
+        (("--no-shuffle",), False),
+        (("--protocol", "published"), False),
+        (("--protocol", "published", "--shuffle"), True),
+        (("--protocol", "fair", "--shuffle"), True),
+    ],
+)
+def test_published_keeps_the_vstar_option_order_unless_asked(flags, shuffled):
+    args = _eval_args(*flags)
+    assert get_bench("vstar").loader_kw_from_args(args)["shuffle"] is shuffled
+
+
+def test_shuffle_and_no_shuffle_exclude_each_other():
+    with pytest.raises(SystemExit):
+        _eval_args("--shuffle", "--no-shuffle")
+
+
+# ---- 4. draft-only row: scripts/small_model_batch_inference.py:379-387 and :407 ----------------
+def test_draft_block_is_the_small_model_scripts():
+    # :383-385 build option_str as "\n" + each "A. x" line + "\n", then "Options: {option_str}"
+    # with no indentation; :387 POPE (no options) "Question: {q}\n".
+    assert protocols.published_draft_block("Is it red?", ["red", "blue"]) == (
+        "Question: Is it red?\nOptions: \nA. red\nB. blue\n"
+    )
+    assert protocols.published_draft_block("Is there a cat?", None) == "Question: Is there a cat?\n"
+    # The SpecEyes.py block keeps its 8-space indentation; the script's does not.
+    assert protocols.published_question_block("q", ["x"]) != protocols.published_draft_block(
+        "q", ["x"]
+    )
+
+
+class _Small:
+    """A small model that records the conversations it is asked to answer."""
+
+    scores = "topk"
+    max_logprobs = None
+
+    def __init__(self) -> None:
+        self.seen: list[list[dict]] = []
+
+    def answer(self, batch, *, max_new_tokens, top_k):
+        self.seen.extend(batch)
+        row = -np.arange(top_k, dtype=np.float32)[None, :]
+        return [SpecAnswer("A", row) for _ in batch]
+
+
+def test_small_only_mode_sends_the_scripts_prompt():
+    small = _Small()
+    img = make_scene(size=(64, 48))
+    queries = [
+        Query(id="mc", image=img, question="Which?", options=["x", "y"]),
+        Query(id="yn", image=img, question="Is there a box?"),
+    ]
+    cfg = FunnelConfig(mode="small", tau=0.5, batch_size=8, protocol="published")
+    Funnel(small, None, None, cfg).run(queries)
+    texts = [m[1]["content"][-1]["text"] for m in small.seen]
+    # :148-156 prepare_messages_to_answer: SYSTEM_PROMPT_ANSWER and question + "\nAnswer:".
+    assert texts == [
+        "Question: Which?\nOptions: \nA. x\nB. y\n" + prompts.SMALL_SUFFIX,
+        "Question: Is there a box?\n" + prompts.SMALL_SUFFIX,
+    ]
+    assert all(m[0]["content"] == prompts.SMALL_SYSTEM for m in small.seen)
+
+
+def test_small_only_mode_batches_eight_under_published():
+    for agent in protocols.PUBLISHED_AGENTS:
+        small = Settings(
+            agent=AgentSettings(kind=agent),
+            funnel=FunnelConfig(mode="small", protocol="published", batch_size=None),
+        )
+        assert small.resolved().funnel.batch_size == protocols.PUBLISHED_DRAFT_BATCH_SIZE == 8
+        full = Settings(
+            agent=AgentSettings(kind=agent),
+            funnel=FunnelConfig(protocol="published", batch_size=None),
+        )
+        assert full.resolved().funnel.batch_size == protocols.PUBLISHED_BATCH_SIZE == 6
