@@ -18,13 +18,26 @@ $(VENV)/.installed-test: $(VENV)/.installed
 	$(PY) -m tests.tools.tiny_gguf --fetch-converter-only
 	touch $@
 
+# lmms-eval's environment (tests/test_lmms_eval.py), layered over .venv: its own site-packages
+# hold lmms-eval (without the requirements its evaluator never imports) and filelock<4, and a
+# .pth file adds .venv's (torch, transformers) after them; .venv itself is left as it is.
+# LMMS_EVAL is the lmms extra's pin (pyproject.toml).
+LMMS_VENV ?= .venv-lmms
+LMMS_EVAL := $(shell sed -n 's/.*"\(lmms-eval==[^"]*\)".*/\1/p' pyproject.toml)
+$(LMMS_VENV)/.installed: $(VENV)/.installed tests/lmms_task/requirements.txt
+	python3 -m venv $(LMMS_VENV)
+	$(PY) -c "import sysconfig; print(sysconfig.get_path('purelib'))" > "$$($(LMMS_VENV)/bin/python -c "import sysconfig; print(sysconfig.get_path('purelib'))")/speceyes_base.pth"
+	$(LMMS_VENV)/bin/pip install -q -r tests/lmms_task/requirements.txt
+	$(LMMS_VENV)/bin/pip install -q --no-deps -e . "$(LMMS_EVAL)"
+	touch $@
+
 .PHONY: setup demo test lint
 setup: $(VENV)/.installed
 
 demo: $(VENV)/.installed
 	$(VENV)/bin/speceyes demo
 
-test: $(VENV)/.installed-test
+test: $(VENV)/.installed-test $(LMMS_VENV)/.installed
 	$(VENV)/bin/ruff check speceyes tests benchmarks
 	$(PY) -m pytest -q --durations=15
 
