@@ -27,6 +27,19 @@ $(VLLM_VENV)/.installed: tests/vllm_env/setup.sh tests/vllm_env/constraints.txt 
 		tests/vllm_env/wheel_requirements.py tests/vllm_env/torchvision_ops_hook.py pyproject.toml
 	bash tests/vllm_env/setup.sh $(VLLM_VENV)
 
+# lmms-eval's environment (tests/test_lmms_eval.py), layered over .venv: its own site-packages
+# hold lmms-eval (without the requirements its evaluator never imports) and filelock<4, and a
+# .pth file adds .venv's (torch, transformers) after them; .venv itself is left as it is.
+# LMMS_EVAL is the lmms extra's pin (pyproject.toml).
+LMMS_VENV ?= .venv-lmms
+LMMS_EVAL := $(shell sed -n 's/.*"\(lmms-eval==[^"]*\)".*/\1/p' pyproject.toml)
+$(LMMS_VENV)/.installed: $(VENV)/.installed tests/lmms_task/requirements.txt
+	python3 -m venv $(LMMS_VENV)
+	$(PY) -c "import sysconfig; print(sysconfig.get_path('purelib'))" > "$$($(LMMS_VENV)/bin/python -c "import sysconfig; print(sysconfig.get_path('purelib'))")/speceyes_base.pth"
+	$(LMMS_VENV)/bin/pip install -q -r tests/lmms_task/requirements.txt
+	$(LMMS_VENV)/bin/pip install -q --no-deps -e . "$(LMMS_EVAL)"
+	touch $@
+
 .PHONY: setup demo test lint
 setup: $(VENV)/.installed
 
@@ -35,7 +48,7 @@ demo: $(VENV)/.installed
 
 # Two pytest runs: the main suite, then the vLLM tests under the vLLM environment's interpreter
 # (they need `import vllm`; one vLLM server serves the whole second run).
-test: $(VENV)/.installed-test $(VLLM_VENV)/.installed
+test: $(VENV)/.installed-test $(VLLM_VENV)/.installed $(LMMS_VENV)/.installed
 	$(VENV)/bin/ruff check speceyes tests benchmarks
 	$(PY) -m pytest -q --durations=15 $(addprefix --ignore=,$(VLLM_TESTS))
 	$(VLLM_PY) -m pytest -q --durations=10 $(VLLM_TESTS)
