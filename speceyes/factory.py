@@ -46,10 +46,14 @@ class BackendSettings:
     device_map: str | None = None  # None: CPU
     attn: str | None = None  # attention implementation, e.g. "sdpa"
     tensor_parallel_size: int = 1  # vLLM only
+    # Servers behind URLs (OpenAIBackend); the model id behind a URL is part of its spec
+    # (URL#model=ID, which --small-model / --large-model write).
     max_logprobs: int = 20  # top_logprobs cap of the servers behind URLs
     # Image limits of the models behind URLs (a folder states its own); None: the family's.
     min_pixels: int | None = None
     max_pixels: int | None = None
+    session_header: str | None = None  # HTTP header carrying one query's session key
+    server_max_model_len: int | None = None  # context length, when a server does not report it
 
 
 @dataclass
@@ -137,8 +141,8 @@ class Settings:
         )
         b = BackendSettings
         settings = cls(
-            small=arg("small"),
-            large=arg("large"),
+            small=_with_model(arg("small"), arg("small_model")),
+            large=_with_model(arg("large"), arg("large_model")),
             small_family=arg("small_family", cls.small_family),
             large_family=arg("large_family", cls.large_family),
             backend=BackendSettings(
@@ -150,6 +154,8 @@ class Settings:
                 max_logprobs=arg("max_logprobs", b.max_logprobs),
                 min_pixels=arg("min_pixels"),
                 max_pixels=arg("max_pixels"),
+                session_header=arg("session_header"),
+                server_max_model_len=arg("server_max_model_len"),
             ),
             agent=AgentSettings(
                 kind=kind,
@@ -285,6 +291,15 @@ class Settings:
         return replace(self, agent=agent, funnel=funnel)
 
 
+def _with_model(spec: str | None, model: str | None) -> str | None:
+    """A URL spec with ``--small-model`` / ``--large-model`` written in as ``#model=ID``."""
+    if spec is None or model is None:
+        return spec
+    from speceyes.backends.openai import with_model
+
+    return with_model(spec, model)
+
+
 def _first(value: Any, default: Any) -> Any:
     return default if value is None else value
 
@@ -301,14 +316,18 @@ def make_backend(
     ``family`` names the model behind a URL (a folder's own config says it)."""
     b = settings or BackendSettings()
     if spec.startswith(("http://", "https://")):
-        from speceyes.backends.openai import OpenAIBackend
+        from speceyes.backends.openai import OpenAIBackend, parse_server_spec
 
+        server = parse_server_spec(spec)
         return OpenAIBackend(
-            [u.strip() for u in spec.split(",") if u.strip()],
+            list(server.urls),
+            server.model,
             family=family,
             max_logprobs=b.max_logprobs,
             min_pixels=b.min_pixels,
             max_pixels=b.max_pixels,
+            session_header=b.session_header,
+            max_model_len=b.server_max_model_len,
         )
     if b.engine == "vllm":
         from speceyes.backends.vllm import VLLMBackend
@@ -382,6 +401,14 @@ def assemble_funnel(
             f"pass --top-k {cap}, or start the server with a higher cap (vLLM: --max-logprobs "
             f"{config.top_k}) and pass --max-logprobs {config.top_k}"
         )
+    # Servers are checked once before the run (their model, context length and, for the
+    # small model, the finite top logprobs the gate reads), not mid-run by a failed query.
+    checked: list[Backend] = []
+    for backend, top_k in ((small, config.top_k), (large, None)):
+        check = getattr(backend, "check_servers", None)
+        if check is not None and all(backend is not b for b in checked):
+            check(top_k)
+            checked.append(backend)
     if large is None:
         agent = None
     elif isinstance(agent, AgentSettings):

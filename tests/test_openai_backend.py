@@ -113,14 +113,37 @@ def gguf_models(tmp_path_factory):
     return {"qwen2_5_vl": q25, "qwen3_vl": q3}
 
 
+N_CTX = 1024  # the context length every test server runs with
+
+
 class _Server:
-    def __init__(self, model: Path, mmproj: Path, log: Path, port: int | None = None) -> None:
+    def __init__(
+        self,
+        model: Path,
+        mmproj: Path,
+        log: Path,
+        port: int | None = None,
+        aliases: dict[str, tuple[Path, Path]] | None = None,
+    ) -> None:
+        """One llama.cpp server for ``model``; with ``aliases`` (id -> model, projector) one
+        server that lists every alias and loads the one a request names."""
         from tests.tools.tiny_gguf import server_command
 
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}/v1"
         self.log = log
-        cmd = server_command(model, mmproj, port=self.port, n_ctx=1024) + ["--n_threads", "2"]
+        cmd = server_command(model, mmproj, port=self.port, n_ctx=N_CTX) + ["--n_threads", "2"]
+        if aliases:
+            config = log.with_suffix(".json")
+            config.write_text(json.dumps({
+                "host": "127.0.0.1", "port": self.port,
+                "models": [
+                    {"model": str(m), "clip_model_path": str(p), "model_alias": alias,
+                     "chat_format": "mtmd", "logits_all": True, "n_ctx": N_CTX, "n_threads": 2}
+                    for alias, (m, p) in aliases.items()
+                ],
+            }))  # fmt: skip
+            cmd = [cmd[0], "-m", "llama_cpp.server", "--config_file", str(config)]
         self._out = open(log, "wb")  # noqa: SIM115 - closed in stop()
         # Own session: stop() ends exactly this server and whatever it spawned.
         self.proc = subprocess.Popen(
@@ -204,7 +227,7 @@ def test_protocol_and_geometry(be25, be3):
     v = be25.view_of(make_scene(size=(1000, 600)))
     assert (v.orig_w, v.orig_h) == (1000, 600)
     assert v.view_w % 28 == 0 and v.view_h % 28 == 0 and v.view_w * v.view_h <= 64 * 28 * 28
-    # The model name defaults to the first of GET /v1/models.
+    # The model name defaults to the one model GET /v1/models lists.
     tool_probability(be25, [prompts.judge_messages(make_scene(), "Is it red?")])
     assert be25.model and be25.name == be25.model
 
@@ -371,22 +394,27 @@ def test_real_qwen_vocabulary_ids(tmp_path):
 # ---- replicas, retries, failover ---------------------------------------------------------------
 
 
-def test_failover_to_the_live_replica(q25_url):
+@pytest.mark.parametrize("routing", ["affinity", "least-loaded"])
+def test_failover_to_the_live_replica(q25_url, routing):
     dead = dead_url()
+    # Eight images in flight at once: the load bound sends some to the dead replica even if
+    # every image's own replica is the live one.
+    batch = [_small(_noise(seed=i)) for i in range(8)]
     with OpenAIBackend(
-        [dead, q25_url], max_retries=3, backoff=0.05, extra_body=GREEDY, **SMALL_PIXELS
+        [dead, q25_url], max_retries=3, backoff=0.05, routing=routing, extra_body=GREEDY,
+        **SMALL_PIXELS,
     ) as b:
-        out = b.answer([_small(make_scene()), _small(_noise())], max_new_tokens=2, top_k=5)
+        out = b.answer(batch, max_new_tokens=2, top_k=5)
         stats = {s["url"]: s for s in b.replica_stats()}
     assert all(a.topk.shape[1] == 5 for a in out)
     assert stats[dead]["served"] == 0 and stats[dead]["total_failures"] >= 1
-    assert stats[q25_url]["served"] >= 2
+    assert stats[q25_url]["served"] == 8
 
 
 def test_least_loaded_replica_spreads_a_batch(q25_url):
     # Two names for the one live server: a batch of 4 in flight splits 2/2.
     urls = [q25_url, q25_url + "/"]
-    with OpenAIBackend(urls, model="any", extra_body=GREEDY, **SMALL_PIXELS) as b:
+    with OpenAIBackend(urls, routing="least-loaded", extra_body=GREEDY, **SMALL_PIXELS) as b:
         tool_probability(b, [prompts.judge_messages(make_scene(), f"q{i}") for i in range(4)])
         served = [s["served"] for s in b.replica_stats()]
     assert served == [2, 2]
@@ -555,3 +583,129 @@ def test_specreason_mode_over_the_servers(servers, tmp_path, capsys):
     assert rc == 0 and data["route"] == "specreason" and not data.get("error")
     steps = [s for s in data["trace"] if s["type"] == "step_score"]
     assert steps and all(0.0 <= s["score"] <= 9.0 for s in steps)
+
+
+# ---- gateways: several models behind one URL, replicas, start-up checks, context budget -------
+
+
+@pytest.fixture(scope="session")
+def gateway_url(gguf_models, tmp_path_factory):
+    """One llama.cpp server that lists both tiny models and loads the one a request names (as
+    a gateway does; an unknown name silently gets its first model)."""
+    log = tmp_path_factory.mktemp("gateway") / "gateway.log"
+    aliases = {"q25-tiny": gguf_models["qwen2_5_vl"], "q3-tiny": gguf_models["qwen3_vl"]}
+    server = _Server(*gguf_models["qwen2_5_vl"], log, aliases=aliases)
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def q25_replica_url(gguf_models, tmp_path_factory):
+    """A second server of the same Qwen2.5-VL model: a replica of ``q25_url``."""
+    log = tmp_path_factory.mktemp("replica") / "replica.log"
+    server = _Server(*gguf_models["qwen2_5_vl"], log)
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+def test_a_server_with_two_models_needs_one_named(gateway_url, be3):
+    msgs = [_small(make_scene())]
+    with OpenAIBackend(gateway_url, max_retries=0) as b:
+        with pytest.raises(BackendError, match=r"serves 2 models \(q25-tiny, q3-tiny\)"):
+            b.answer(msgs, max_new_tokens=2, top_k=10)
+    with OpenAIBackend(gateway_url, "gpt-4", max_retries=0) as b:
+        with pytest.raises(BackendError, match=r"does not serve model 'gpt-4'.*q25-tiny, q3-tiny"):
+            b.chat(msgs, max_new_tokens=2)
+    pixels = {"min_pixels": be3.min_pixels, "max_pixels": be3.max_pixels}
+    (alone,) = be3.answer(msgs, max_new_tokens=2, top_k=10)
+    with OpenAIBackend(
+        gateway_url, "q3-tiny", family="qwen3_vl", extra_body=GREEDY, **pixels
+    ) as q3, OpenAIBackend(
+        gateway_url, "q25-tiny", family="qwen3_vl", extra_body=GREEDY, **pixels
+    ) as q25:
+        (named,) = q3.answer(msgs, max_new_tokens=2, top_k=10)
+        (other,) = q25.answer(msgs, max_new_tokens=2, top_k=10)
+    # The named model answers (the same logprobs as its own server), not the listed first one.
+    np.testing.assert_allclose(named.topk, alone.topk, atol=1e-5)
+    assert not np.allclose(other.topk[0], named.topk[0])
+
+
+def test_a_querys_judge_and_agent_turns_reach_one_replica(q25_url, q25_replica_url):
+    from speceyes.agents.zoom import ZoomAgent
+    from speceyes.types import Query
+
+    urls = [q25_url, q25_replica_url]
+    homes = []
+    with OpenAIBackend(urls, extra_body=GREEDY, **SMALL_PIXELS) as b:
+        agent = ZoomAgent(b, max_new_tokens=8, max_tool_calls=1)
+        for seed in range(6):
+            before = {s["url"]: s["served"] for s in b.replica_stats()}  # none before the first
+            img = _noise(seed=seed)
+            tool_probability(b, [prompts.judge_messages(img, "Is there a red square?")])
+            (out,) = agent.run([Query(id=str(seed), image=img, question="What color?")])
+            assert out.error is None and out.turns >= 1
+            got = [s["served"] - before.get(s["url"], 0) for s in b.replica_stats()]
+            # the judge call and every agent turn on one server: that server's caches hold
+            # the image's prefill and encoding for the agent
+            assert sorted(got) == [0, 1 + out.turns], f"query {seed} split {got}"
+            homes.append(got.index(0))
+    assert set(homes) == {0, 1}  # different images spread over the replicas
+
+
+def test_startup_probe_counts_the_servers_finite_logprobs(q25_url):
+    with OpenAIBackend(q25_url, extra_body=GREEDY, max_logprobs=64, **SMALL_PIXELS) as b:
+        (stats,) = b.check_servers(top_k=64)
+        assert stats["finite_logprobs"] == 64 and stats["max_model_len"] is None
+        assert b.replica_stats()[0]["served"] == 0  # checks are not model calls
+        (ans,) = b.answer([_small(make_scene())], max_new_tokens=2, top_k=64)
+    assert ans.topk.shape[1] == 64
+
+
+def test_estimated_prompt_tokens_err_high_against_the_real_tokenizer(be25):
+    from openai import OpenAI
+
+    from speceyes.backends.base import estimate_prompt_tokens
+
+    raw = OpenAI(base_url=be25._urls[0], api_key="EMPTY", max_retries=0, timeout=60)
+    try:
+        for q in ("What color is the square?", "Describe the left table in detail. " * 8):
+            msgs = [
+                {"role": "system", "content": prompts.DEEPEYES_SYSTEM},
+                {"role": "user", "content": q + prompts.DEEPEYES_USER_SUFFIX},
+            ]
+            r = raw.chat.completions.create(
+                model=be25.model, messages=msgs, max_tokens=1, extra_body=GREEDY
+            )
+            real, est = r.usage.prompt_tokens, estimate_prompt_tokens(be25, msgs)
+            assert real <= est <= 1.35 * real, (real, est)
+    finally:
+        raw.close()
+
+
+def test_the_context_budget_ends_only_the_loop_that_would_not_fit(q25_url):
+    """A question too long for the server's context: the server refuses the whole batched turn
+    (llama.cpp 500, vLLM 400); with the budget known only that loop ends, before the call."""
+    from speceyes.agents.zoom import ZoomAgent
+    from speceyes.types import Query
+
+    queries = [
+        Query(id="short", image=make_scene(), question="What color is the square?"),
+        Query(id="long", image=make_scene(), question="Describe the square. " * 250),
+    ]
+    with OpenAIBackend(q25_url, max_retries=0, extra_body=GREEDY, **SMALL_PIXELS) as b:
+        assert b.max_model_len is None  # llama.cpp does not report it
+        unbounded = ZoomAgent(b, max_new_tokens=8, max_tool_calls=1).run(queries)
+    assert all(o.error and "n_ctx" in o.error for o in unbounded)  # one breaks both
+    with OpenAIBackend(
+        q25_url, max_retries=0, extra_body=GREEDY, max_model_len=N_CTX, **SMALL_PIXELS
+    ) as b:
+        agent = ZoomAgent(b, max_new_tokens=8, max_tool_calls=1)
+        short, long = agent.run(queries)
+        served = b.replica_stats()[0]["served"]
+    assert short.error is None and short.turns >= 1 and served == short.turns
+    assert long.error is None and long.turns == 0 and agent.context_budget_ends == 1
+    assert [t["reason"] for t in long.trace if t["type"] == "limit"] == ["context budget"]

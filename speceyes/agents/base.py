@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from speceyes.backends.base import BackendError, per_item
+from speceyes.backends.base import BackendError, context_limit, estimate_prompt_tokens, per_item
 
 if TYPE_CHECKING:
     from speceyes.backends.base import Backend
@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _THINK_END = "</think>"
+CONTEXT_BUDGET = "context budget"  # why a loop ended before a turn that would not fit
 
 
 @dataclass
@@ -133,6 +134,7 @@ class LoopAgent:
     default_tau: float = 0.98
     shares_first_prompt: bool = True
     max_new_tokens: int
+    context_budget_ends: int = 0  # loops ended by the context budget (see _fit_context)
 
     def start_loop(self, query: Any) -> Any:  # pragma: no cover - implemented by agents
         raise NotImplementedError
@@ -147,7 +149,10 @@ class LoopAgent:
         if not active:
             return
         try:
-            self._turn(active)
+            self._fit_context(active)
+            turn = [lp for lp in active if not lp.done]
+            if turn:
+                self._turn(turn)
         except BackendError as e:
             for lp in active:
                 if not lp.done:
@@ -155,6 +160,37 @@ class LoopAgent:
         for lp in active:
             if lp.done:
                 self._end(lp)
+
+    def _fit_context(self, active: Sequence[Any]) -> None:
+        """End each loop whose next turn would pass the backend's context length: its
+        conversation (estimated, ``estimate_prompt_tokens``) plus ``max_new_tokens`` is more
+        than ``max_model_len``. The loop keeps the answer its last turn gave, and its trace says
+        why; a server would refuse the turn instead (vLLM: 400). Loops without a growing
+        conversation (``messages``) are left alone."""
+        backend = getattr(self, "backend", None)
+        limit = None if backend is None else context_limit(backend)
+        if limit is None:
+            return
+        for lp in active:
+            messages = getattr(lp, "messages", None)
+            if not messages:
+                continue
+            prompt = estimate_prompt_tokens(backend, messages)
+            if prompt + self.max_new_tokens <= limit:
+                continue
+            last = next((m for m in reversed(messages) if m["role"] == "assistant"), None)
+            said = last["content"] if last is not None and isinstance(last["content"], str) else ""
+            lp.outcome.answer = fallback_answer(said.split("<tool_call>")[0]) if said else ""
+            lp.outcome.trace.append(
+                {
+                    "type": "limit",
+                    "reason": CONTEXT_BUDGET,
+                    "error": f"{CONTEXT_BUDGET}: ~{prompt} prompt tokens + {self.max_new_tokens} "
+                    f"new > max_model_len {limit}",
+                }
+            )
+            lp.done = True
+            self.context_budget_ends += 1
 
     def _end(self, loop: Any) -> None:
         loop.outcome.trace.append(

@@ -9,15 +9,29 @@ Geometry lives on the client: every image is smart_resized here with the model f
 and pixel limits and sent as a PNG data URI. Servers ignore per-request pixel limits, and mapping
 a zoom box back to the original image needs the exact scale the model saw.
 
-Several base URLs are replicas of one model: each request goes to the replica with the fewest
-requests in flight, a replica that fails (connection error, timeout, 5xx, 429) is set aside for a
-short, growing cool-down and the request is retried elsewhere, with exponential backoff once no
+Several base URLs are replicas of one model. By default (``routing="affinity"``) every call of
+one query goes to one replica: the key of a conversation is a digest of its first image as sent
+(the judge prompt and each agent turn of a query carry the same image, so they agree with no
+query id plumbed through), placed by bounded-load consistent hashing (``routing.Router``), so
+that replica's prefix cache and encoder cache serve the later calls. ``routing="least-loaded"``
+sends each request to the replica with the fewest requests in flight. With ``session_header``
+the key also goes out as that HTTP header (e.g. ``X-Session-Id``) for a gateway that routes by
+session. A replica that fails (connection error, timeout, 5xx, 429) is set aside for a short,
+growing cool-down and the request is retried elsewhere, with exponential backoff once no
 healthy replica is left; after ``max_retries`` retries a ``BackendError`` names the URLs.
+
+Which model: ``model`` names it (a gateway behind one URL may serve several: Ray Serve LLM,
+SGLang's router, llm-d, Dynamo); unnamed, the one model ``/v1/models`` lists. A server that lists
+several models when none is named, or does not list the named one, is refused with what it lists.
+``check_servers`` runs the start-up checks against every replica: the model, the context length
+it reports (vLLM and SGLang list ``max_model_len``), and one tiny probe request that counts the
+finite top logprobs the server really returns.
 
 Known server differences (documented, handled here):
 
 * top_logprobs is capped by the server (vLLM: ``--max-logprobs``, default 20); ``top_k`` above
-  ``max_logprobs`` is refused with a ValueError before any request.
+  ``max_logprobs`` is refused with a ValueError before any request. vLLM sends -9999.0 for a
+  logprob of -inf (JSON has no infinity): values at or below it are read as -inf.
 * llama.cpp (llama-cpp-python) keys top logprobs by token *text*: tokens that decode alike
   (e.g. partial UTF-8 bytes) merge, so a row can hold fewer than K values. We ask for a few more
   than K where the cap allows and pad short rows with -inf (such a token's separability is NaN
@@ -39,6 +53,7 @@ Known server differences (documented, handled here):
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import threading
@@ -61,6 +76,7 @@ from speceyes.backends.base import (
     map_images,
     view_geometry,
 )
+from speceyes.backends.routing import Replica, Router, Routing, digest
 from speceyes.images import View, load_image, resize_for_model, to_data_uri, view_for_model
 from speceyes.types import ChatTurn, SpecAnswer
 
@@ -72,17 +88,71 @@ Family = Literal["qwen2_5_vl", "qwen3_vl"]
 _LOGPROB_SLACK = 8
 _MAX_COOLDOWN = 30.0
 _LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
+# vLLM's stand-in for a logprob of -inf (serving_chat: max(logprob, -9999.0)).
+_SERVER_NEG_INF = -9999.0
+# The start-up probe: one generated token of a tiny text-only prompt.
+_PROBE_MESSAGES = [{"role": "user", "content": "Answer yes or no: is the sky blue?"}]
+MODEL_FRAGMENT = "model"  # URL#model=ID names the model behind a URL
 
 
-@dataclass
-class _Replica:
-    url: str
-    client: Any  # openai.AsyncOpenAI
-    inflight: int = 0
-    served: int = 0
-    failures: int = 0  # consecutive
-    total_failures: int = 0
-    down_until: float = 0.0
+@dataclass(frozen=True)
+class ServerSpec:
+    """A ``--small`` / ``--large`` value that names servers: replica URLs and the model id."""
+
+    urls: tuple[str, ...]
+    model: str | None = None
+
+
+def parse_server_spec(spec: str, model: str | None = None) -> ServerSpec:
+    """``URL[,URL...]`` with an optional ``#model=ID`` (on the whole value or on each URL; they
+    must agree), and ``model`` given apart (``--small-model``), which must agree too."""
+    urls, named = [], {model} - {None}
+    for part in (p.strip() for p in spec.split(",")):
+        if not part:
+            continue
+        url, _, fragment = part.partition("#")
+        if fragment:
+            query = urllib.parse.parse_qs(fragment, keep_blank_values=True)
+            if set(query) != {MODEL_FRAGMENT} or len(query[MODEL_FRAGMENT]) != 1:
+                raise ValueError(f"{part!r}: the only URL fragment speceyes reads is #model=ID")
+            named.add(query[MODEL_FRAGMENT][0].strip())
+        urls.append(url)
+    if "" in named:
+        raise ValueError(f"{spec!r}: #model= names no model")
+    if len(named) > 1:
+        raise ValueError(f"{spec!r}: two model ids given ({', '.join(sorted(named))})")
+    return ServerSpec(tuple(urls), next(iter(named), None))
+
+
+def with_model(spec: str, model: str | None) -> str:
+    """``spec`` with ``model`` written in as ``#model=ID`` (unchanged when ``model`` is None);
+    refused when ``spec`` is no URL or already names another model."""
+    if model is None:
+        return spec
+    if not spec.startswith(("http://", "https://")):
+        raise ValueError(f"a model id ({model!r}) names a model behind a URL, not {spec!r}")
+    if parse_server_spec(spec).model is not None:
+        parse_server_spec(spec, model)  # refused unless it is the same id
+        return spec
+    return f"{spec}#{MODEL_FRAGMENT}={model}"
+
+
+def choose_model(listed: Sequence[str], wanted: str | None, where: str) -> str:
+    """The model id to send: ``wanted`` if ``listed`` has it, else the only one listed;
+    refused (BackendError) with what is listed otherwise."""
+    shown = ", ".join(listed) if listed else "no models"
+    if wanted is not None:
+        if wanted in listed:
+            return wanted
+        raise BackendError(f"{where} does not serve model {wanted!r}; /v1/models lists: {shown}")
+    if len(listed) == 1:
+        return listed[0]
+    if not listed:
+        raise BackendError(f"{where}: the server lists no models at /v1/models")
+    raise BackendError(
+        f"{where} serves {len(listed)} models ({shown}); name one with --small-model ID / "
+        "--large-model ID or URL#model=ID"
+    )
 
 
 class OpenAIBackend:
@@ -106,6 +176,9 @@ class OpenAIBackend:
         max_concurrency: int = 64,
         eos_tokens: Sequence[str] = ("<|im_end|>", "<|endoftext|>"),
         max_images: int | None = None,
+        routing: Routing = "affinity",
+        session_header: str | None = None,
+        max_model_len: int | None = None,
     ) -> None:
         try:
             import openai
@@ -119,6 +192,9 @@ class OpenAIBackend:
         geometry = view_geometry(family, min_pixels=min_pixels, max_pixels=max_pixels)
         if max_retries < 0 or max_logprobs < 1 or max_concurrency < 1:
             raise ValueError("max_retries must be >= 0, max_logprobs and max_concurrency >= 1")
+        if max_model_len is not None and max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
+        Router([], routing)  # an unknown routing is refused here, before any request
         self._openai = openai
         self.family = family
         # The family's defaults (DeepEyes' 4..16384 merged patches) unless limits are given.
@@ -138,16 +214,24 @@ class OpenAIBackend:
         self._max_concurrency = max_concurrency
         self._api_key = api_key
         self._urls = urls
-        self._replicas: list[_Replica] = []
-        self._tie = 0
+        self.routing: Routing = routing
+        # Sent with every call, its value the conversation's affinity key (one per query).
+        self.session_header = session_header
+        self._given_max_model_len = max_model_len  # wins over what the servers report
+        self._listed = False  # /v1/models read (the model id and its max_model_len)
+        self._reported_max_model_len: int | None = None  # the least any listing reported
+        self._replicas: list[Replica] = []
+        self._router: Router | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._sem: asyncio.Semaphore | None = None
         self._model_lock: asyncio.Lock | None = None
         self._start_lock = threading.Lock()
         self._finalizer: weakref.finalize | None = None
-        # Agent loops resend the same PIL images every turn: cache their encoded form.
+        # Agent loops resend the same PIL images every turn: cache their encoded form, and the
+        # digest of each data URI (the affinity key of the conversations it opens).
         self._uri_cache: OrderedDict[int, tuple[weakref.ref, str]] = OrderedDict()
+        self._key_cache: OrderedDict[str, int] = OrderedDict()
         self._cache_lock = threading.Lock()
 
     # ---- event loop and replicas ----------------------------------------------------------
@@ -177,7 +261,8 @@ class OpenAIBackend:
     async def _init_clients(self) -> None:
         self._sem = asyncio.Semaphore(self._max_concurrency)
         self._model_lock = asyncio.Lock()
-        self._replicas = [_Replica(url=u, client=self._client(u)) for u in self._urls]
+        self._replicas = [Replica(url=u, client=self._client(u)) for u in self._urls]
+        self._router = Router(self._replicas, self.routing)
 
     def _client(self, url: str) -> Any:
         kwargs: dict[str, Any] = {}
@@ -228,7 +313,8 @@ class OpenAIBackend:
         self.close()
 
     def replica_stats(self) -> list[dict[str, Any]]:
-        """Per base URL: requests in flight, served, and failures (consecutive and total)."""
+        """Per base URL: requests in flight, model calls served, failures (consecutive and
+        total), and what its start-up check measured."""
         return [
             {
                 "url": r.url,
@@ -236,21 +322,12 @@ class OpenAIBackend:
                 "served": r.served,
                 "failures": r.failures,
                 "total_failures": r.total_failures,
-                "healthy": r.down_until <= time.monotonic(),
+                "healthy": r.healthy(time.monotonic()),
+                "max_model_len": r.max_model_len,
+                "finite_logprobs": r.finite_logprobs,
             }
             for r in self._replicas
         ]
-
-    def _pick(self) -> _Replica:
-        """The healthy replica with the fewest requests in flight (ties rotate)."""
-        now = time.monotonic()
-        healthy = [r for r in self._replicas if r.down_until <= now]
-        if not healthy:
-            return min(self._replicas, key=lambda r: r.down_until)
-        least = min(r.inflight for r in healthy)
-        tied = [r for r in healthy if r.inflight == least]
-        self._tie += 1
-        return tied[self._tie % len(tied)]
 
     def _retryable(self, e: Exception) -> bool:
         o = self._openai
@@ -260,11 +337,20 @@ class OpenAIBackend:
             return e.status_code >= 500 or e.status_code == 429
         return False
 
-    async def _call(self, fn: Callable[[Any], Awaitable[T]], what: str) -> T:
-        """Run ``fn(client)`` on the least-loaded replica, failing over and backing off."""
+    async def _call(
+        self,
+        fn: Callable[[Any], Awaitable[T]],
+        what: str,
+        key: int | None = None,
+        *,
+        counted: bool = True,
+    ) -> T:
+        """Run ``fn(client)`` on the replica the router picks for ``key`` (None: the least
+        loaded), failing over and backing off; ``counted``: a model call (``served``)."""
+        assert self._router is not None
         errors: list[tuple[str, str]] = []  # (url, error)
         for attempt in range(self.max_retries + 1):
-            rep = self._pick()
+            rep = self._router.pick(key)
             now = time.monotonic()
             if attempt and rep.down_until > now:
                 # Every replica failed recently: wait before trying again.
@@ -295,7 +381,7 @@ class OpenAIBackend:
             finally:
                 rep.inflight -= 1
             rep.failures, rep.down_until = 0, 0.0
-            rep.served += 1
+            rep.served += counted
             return out
         urls = ", ".join(dict.fromkeys(u for u, _ in errors))
         last = errors[-1][1].rstrip(".")
@@ -310,24 +396,133 @@ class OpenAIBackend:
             return await self._resolve_model()
 
     async def _resolve_model(self) -> str:
-        if self.model is None:
+        """The model id (one ``GET /v1/models`` on the first call, whichever replica answers)
+        and the context length that listing reports."""
+        if not self._listed:
 
-            async def first(client: Any) -> str:
-                page = await client.models.list()
-                ids = [m.id for m in page.data]
-                if not ids:
-                    raise BackendError(f"{self.name}: the server lists no models at /v1/models")
-                return ids[0]
+            async def listing(client: Any) -> tuple[str, list[tuple[str, int | None]] | None]:
+                return str(client.base_url), await self._list_models(client)
 
-            self.model = await self._call(first, "GET /v1/models")
-            if not self._named:
-                self.name = self.model
+            url, listed = await self._call(listing, "GET /v1/models", counted=False)
+            self._take_listing(url, listed)
+        assert self.model is not None
         return self.model
 
-    async def _complete(self, messages: list[dict[str, Any]], what: str, **params: Any) -> Any:
+    async def _list_models(self, client: Any) -> list[tuple[str, int | None]] | None:
+        """``(id, max_model_len)`` per model ``/v1/models`` lists; None when the server has no
+        such route (404) and a model is named: then the name is taken on trust."""
+        try:
+            page = await client.models.list()
+        except self._openai.NotFoundError:
+            if self.model is None:
+                raise
+            return None
+        out = []
+        for m in page.data:
+            extra = getattr(m, "model_extra", None) or {}
+            length = extra.get("max_model_len")
+            out.append((str(m.id), int(length) if isinstance(length, (int, float)) else None))
+        return out
+
+    def _take_listing(self, url: str, listed: list[tuple[str, int | None]] | None) -> int | None:
+        """Choose (or confirm) the model from one server's listing; returns the context length
+        it reports for that model."""
+        self._listed = True
+        if listed is None:
+            return None
+        model = choose_model([m for m, _ in listed], self.model, f"{self.name}: {url}")
+        self.model = model
+        if not self._named:
+            self.name = model
+        length = dict(listed)[model]
+        if length is not None:
+            known = self._reported_max_model_len
+            self._reported_max_model_len = length if known is None else min(known, length)
+        return length
+
+    @property
+    def max_model_len(self) -> int | None:
+        """Prompt plus new tokens one request may hold: the ``max_model_len`` given, else the
+        least any checked server reports in ``/v1/models`` (read on first use), else None."""
+        if self._given_max_model_len is not None:
+            return self._given_max_model_len
+        if not self._listed:
+            self._run(self._model)
+        return self._reported_max_model_len
+
+    # ---- start-up checks ------------------------------------------------------------------
+    def check_servers(self, top_k: int | None = None) -> list[dict[str, Any]]:
+        """Start-up checks against every replica: it is reachable, serves the model (see
+        ``choose_model``), and its context length is read; with ``top_k`` (the gate's K) one
+        probe request counts the finite top logprobs it really returns, and fewer than
+        ``top_k`` is refused (BackendError) with the measured number and the server flag that
+        raises it. Returns ``replica_stats()``."""
+        if top_k is not None:
+            self._check_top_k(top_k)
+        return self._run(lambda: self._check_all(top_k))
+
+    async def _check_all(self, top_k: int | None) -> list[dict[str, Any]]:
+        assert self._model_lock is not None
+        async with self._model_lock:
+            for rep in self._replicas:  # in order: the first fixes the model for the others
+                try:
+                    listed = await self._list_models(rep.client)
+                except self._openai.OpenAIError as e:
+                    raise BackendError(
+                        f"{self.name}: start-up check of {rep.url} failed: "
+                        f"{type(e).__name__}: {_short(e)}"
+                    ) from e
+                rep.max_model_len = self._take_listing(rep.url, listed)
+        if top_k is not None:
+            await asyncio.gather(*(self._probe_logprobs(r, top_k) for r in self._replicas))
+        return self.replica_stats()
+
+    async def _probe_logprobs(self, rep: Replica, top_k: int) -> None:
+        ask = min(self.max_logprobs, top_k + _LOGPROB_SLACK)  # as answer() asks
+        try:
+            resp = await rep.client.chat.completions.create(
+                model=self.model,
+                messages=_PROBE_MESSAGES,
+                max_tokens=1,
+                temperature=0.0,
+                logprobs=True,
+                top_logprobs=ask,
+                extra_body=self.extra_body or None,
+            )
+        except self._openai.OpenAIError as e:
+            raise BackendError(
+                f"{self.name}: {rep.url} refused a request for top_logprobs={ask} "
+                f"({type(e).__name__}: {_short(e)}). Start the server with a cap of at least "
+                f"{ask} (vLLM: --max-logprobs {ask}), or pass a lower --max-logprobs and --top-k."
+            ) from e
+        content = self._content(resp.choices[0]) if resp.choices else []
+        if not content:
+            log.warning("%s: %s returned no logprobs to count", self.name, rep.url)
+            return
+        finite = sum(math.isfinite(_finite(t.logprob)) for t in content[0].top_logprobs or [])
+        rep.finite_logprobs = finite
+        if finite < top_k:
+            raise BackendError(
+                f"{self.name}: {rep.url} returned {finite} finite top logprobs of the {ask} "
+                f"asked, fewer than the top-K {top_k} the gate needs. Raise the server's cap "
+                f"(vLLM: --max-logprobs {max(ask, top_k)}; entries at -inf or -9999 mean the "
+                f"server masks them after sampling: vLLM --logprobs-mode raw_logprobs), or pass "
+                f"--top-k {finite} (and calibrate tau for that K)."
+            )
+
+    # ---- requests -------------------------------------------------------------------------
+    async def _complete(
+        self,
+        messages: list[dict[str, Any]],
+        what: str,
+        affinity: int | None = None,
+        **params: Any,
+    ) -> Any:
         model = await self._model()
         assert self._sem is not None
         body = {**self.extra_body, **params.pop("extra_body", {})}
+        if self.session_header and affinity is not None:
+            params["extra_headers"] = {self.session_header: f"{affinity:016x}"}
 
         async def create(client: Any) -> Any:
             return await client.chat.completions.create(
@@ -335,7 +530,7 @@ class OpenAIBackend:
             )
 
         async with self._sem:
-            resp = await self._call(create, what)
+            resp = await self._call(create, what, affinity)
         if not resp.choices:
             raise BackendError(f"{self.name}: {what}: the server returned no choices")
         return resp
@@ -345,6 +540,7 @@ class OpenAIBackend:
         # Images are resized and PNG-encoded in the caller's thread, not on the shared loop,
         # so a large image never stalls requests that are already in flight.
         converted = [self._convert(m) for m in batch]
+        keys = [self._affinity_key(c) for c in converted]
         # A conversation whose last assistant message is marked "continue" (Thyme writes its
         # sandbox output into the same turn) is continued, not answered with a new turn: vLLM
         # and SGLang take these two chat-template switches in the request body.
@@ -356,9 +552,9 @@ class OpenAIBackend:
 
         async def gather() -> list[Any]:
             calls = []
-            for c, extra in zip(converted, extras, strict=True):
+            for c, key, extra in zip(converted, keys, extras, strict=True):
                 kw = dict(params) if extra is None else {**params, "extra_body": extra}
-                calls.append(self._complete(c, what, **kw))
+                calls.append(self._complete(c, what, affinity=key, **kw))
             return list(await asyncio.gather(*calls))
 
         return self._run(gather)
@@ -387,6 +583,32 @@ class OpenAIBackend:
                     self._uri_cache.popitem(last=False)
         return uri
 
+    def _affinity_key(self, converted: list[dict[str, Any]]) -> int | None:
+        """The key that ties the calls of one query together: a digest of the conversation's
+        first image as sent (its data URI), else of its first user message; None if neither."""
+        for m in converted:
+            content = m["content"]
+            for part in content if isinstance(content, list) else ():
+                if part.get("type") == "image_url":
+                    return self._uri_digest(part["image_url"]["url"])
+        for m in converted:
+            if m["role"] == "user":
+                return digest(json.dumps(m["content"], sort_keys=True))
+        return None
+
+    def _uri_digest(self, uri: str) -> int:
+        with self._cache_lock:  # the same cached URI object hashes and compares in O(1)
+            hit = self._key_cache.get(uri)
+            if hit is not None:
+                self._key_cache.move_to_end(uri)
+                return hit
+        key = digest(uri)
+        with self._cache_lock:
+            self._key_cache[uri] = key
+            while len(self._key_cache) > 256:
+                self._key_cache.popitem(last=False)
+        return key
+
     def _convert(self, messages: Messages) -> list[dict[str, Any]]:
         """speceyes image parts -> OpenAI ``image_url`` parts; text and strings unchanged."""
         return map_images(
@@ -397,6 +619,13 @@ class OpenAIBackend:
     def _check_top_k(self, top_k: int) -> None:
         if top_k < 1:
             raise ValueError(f"top_k must be at least 1, got {top_k}")
+        measured = [r.finite_logprobs for r in self._replicas if r.finite_logprobs is not None]
+        if measured and top_k > min(measured):
+            raise ValueError(
+                f"top_k={top_k} exceeds the {min(measured)} finite top logprobs the server "
+                f"returns (measured at start-up); raise its cap (vLLM: --max-logprobs {top_k}) "
+                f"or use top_k <= {min(measured)}"
+            )
         if top_k > self.max_logprobs:
             raise ValueError(
                 f"top_k={top_k} exceeds the server's logprob cap (max_logprobs="
@@ -554,8 +783,8 @@ def _stop_loop(loop: asyncio.AbstractEventLoop) -> None:
 
 
 def _finite(x: float | None) -> float:
-    """A logprob as a float; None (some servers for -inf) becomes -inf."""
-    return -math.inf if x is None else float(x)
+    """A logprob as a float; None (some servers for -inf) and vLLM's -9999.0 become -inf."""
+    return -math.inf if x is None or x <= _SERVER_NEG_INF else float(x)
 
 
 def _short(e: BaseException, limit: int = 300) -> str:

@@ -90,6 +90,31 @@ def add_model_args(p: argparse.ArgumentParser, *, required: bool = True) -> None
         help="largest image (pixels) the models behind URLs see (default: the family's, 16384 "
         "visual tokens); a checkpoint states it as size.longest_edge",
     )
+    for role in ("small", "large"):
+        g.add_argument(
+            f"--{role}-model",
+            default=None,
+            metavar="ID",
+            help=f"model id behind the --{role} URL, for a server or gateway that serves "
+            f"several (the same as --{role} URL#model=ID) (default: the one /v1/models lists)",
+        )
+    g.add_argument(
+        "--session-header",
+        default=b.session_header,
+        metavar="NAME",
+        help="HTTP header (e.g. X-Session-Id) sent with every call to a URL, its value one "
+        "query's key (a digest of its image), for gateways that route by session "
+        "(default: none)",
+    )
+    g.add_argument(
+        "--server-max-model-len",
+        type=int,
+        default=b.server_max_model_len,
+        metavar="N",
+        help="context length of the servers behind URLs; an agent turn that would pass it "
+        "ends its loop (\"context budget\") (default: what /v1/models reports, vLLM and "
+        "SGLang do; else no budget)",
+    )
 
 
 def add_funnel_args(p: argparse.ArgumentParser, *, schedule: str | None = None) -> None:
