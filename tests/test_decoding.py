@@ -114,8 +114,15 @@ def test_eval_records_each_models_decoding_in_run_json(penalised, tmp_path):
             str(penalised), "--large", str(penalised), "--mode", "small", "--no-progress",
             "--decoding", "greedy-plain"]
     assert main(argv) == 0
-    config = RunDir(out).read_state()["config"]
+    run = RunDir(out)
+    config = run.read_state()["config"]
     assert config["decoding"] == {
         "small": {"policy": "greedy-plain", "repetition_penalty": 1.0},
         "large": None,
     }
+    # A run logged before the field existed still resumes.
+    state = run.read_state()
+    del state["config"]["decoding"]
+    run.write_state(state)
+    assert main([*argv, "--resume"]) == 0
+    assert "decoding" in run.read_state()["config"]
