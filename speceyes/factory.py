@@ -49,11 +49,33 @@ class BackendSettings:
     # Servers behind URLs (OpenAIBackend); the model id behind a URL is part of its spec
     # (URL#model=ID, which --small-model / --large-model write).
     max_logprobs: int = 20  # top_logprobs cap of the servers behind URLs
-    # Image limits of the models behind URLs (a folder states its own); None: the family's.
-    min_pixels: int | None = None
-    max_pixels: int | None = None
     session_header: str | None = None  # HTTP header carrying one query's session key
     server_max_model_len: int | None = None  # context length, when a server does not report it
+    # ---- what every backend shows and decodes (folders, hub ids and URLs alike)
+    # Pixel limits of each model's view; None: its checkpoint's preprocessor_config.json,
+    # else (a URL's model) the family's released limits.
+    small_min_pixels: int | None = None
+    small_max_pixels: int | None = None
+    large_min_pixels: int | None = None
+    large_max_pixels: int | None = None
+    decoding: str = "checkpoint"  # or "greedy-plain" (backends.base.DECODING_POLICIES)
+    # ---- vLLM engines (--engine vllm)
+    # Share of the GPU's memory (on CPU: of RAM) per engine; None: vLLM's default for one
+    # engine, an even split of VLLM_SHARED_MEMORY when both models run in this process.
+    small_vllm_memory: float | None = None
+    large_vllm_memory: float | None = None
+    vllm_kv_cache_gib: float | None = None  # KV cache per engine; supersedes the share
+    vllm_max_model_len: int | None = None  # None: the model's own
+    vllm_eager: bool = False  # no CUDA graphs / torch.compile (faster start, slower steps)
+
+    def pixels(self, role: str) -> tuple[int | None, int | None]:
+        """(min_pixels, max_pixels) given for ``role`` ("small" or "large")."""
+        return getattr(self, f"{role}_min_pixels"), getattr(self, f"{role}_max_pixels")
+
+
+# Memory two vLLM engines in one process share when neither share is given: vLLM's own default
+# (0.9 of the device) split evenly, so the second engine still finds its share free.
+VLLM_SHARED_MEMORY = 0.9
 
 
 @dataclass
@@ -152,10 +174,18 @@ class Settings:
                 attn=arg("attn"),
                 tensor_parallel_size=arg("tensor_parallel_size", b.tensor_parallel_size),
                 max_logprobs=arg("max_logprobs", b.max_logprobs),
-                min_pixels=arg("min_pixels"),
-                max_pixels=arg("max_pixels"),
                 session_header=arg("session_header"),
                 server_max_model_len=arg("server_max_model_len"),
+                small_min_pixels=arg("small_min_pixels"),
+                small_max_pixels=arg("small_max_pixels"),
+                large_min_pixels=arg("large_min_pixels"),
+                large_max_pixels=arg("large_max_pixels"),
+                decoding=arg("decoding", b.decoding),
+                small_vllm_memory=arg("small_vllm_memory"),
+                large_vllm_memory=arg("large_vllm_memory"),
+                vllm_kv_cache_gib=arg("vllm_kv_cache_gib"),
+                vllm_max_model_len=arg("vllm_max_model_len"),
+                vllm_eager=bool(arg("vllm_eager", b.vllm_eager)),
             ),
             agent=AgentSettings(
                 kind=kind,
@@ -310,12 +340,19 @@ def _family(cls: type) -> str:
 
 
 def make_backend(
-    spec: str, family: str = Settings.large_family, settings: BackendSettings | None = None
+    spec: str,
+    family: str = Settings.large_family,
+    settings: BackendSettings | None = None,
+    *,
+    role: str = "large",
+    shares_device: bool = False,
 ) -> Backend:
     """A backend for a model given as a folder, a hub id, or OpenAI-compatible server URL(s);
-    ``family`` names the model behind a URL (a folder's own config says it)."""
+    ``family`` names the model behind a URL (a folder's own config says it). ``role`` picks the
+    per-model settings; ``shares_device``: another vLLM engine runs in this process."""
     b = settings or BackendSettings()
-    if spec.startswith(("http://", "https://")):
+    min_pixels, max_pixels = b.pixels(role)
+    if _is_url(spec):
         from speceyes.backends.openai import OpenAIBackend, parse_server_spec
 
         server = parse_server_spec(spec)
@@ -324,18 +361,71 @@ def make_backend(
             server.model,
             family=family,
             max_logprobs=b.max_logprobs,
-            min_pixels=b.min_pixels,
-            max_pixels=b.max_pixels,
+            min_pixels=min_pixels,
+            max_pixels=max_pixels,
+            decoding=b.decoding,
             session_header=b.session_header,
             max_model_len=b.server_max_model_len,
         )
     if b.engine == "vllm":
-        from speceyes.backends.vllm import VLLMBackend
+        from speceyes.backends.vllm import EngineStartError, VLLMBackend
 
-        return VLLMBackend(spec, dtype=b.dtype, tensor_parallel_size=b.tensor_parallel_size)
+        memory = vllm_memory(b, role, shares_device)
+        try:
+            return VLLMBackend(
+                spec,
+                dtype=b.dtype,
+                tensor_parallel_size=b.tensor_parallel_size,
+                min_pixels=min_pixels,
+                max_pixels=max_pixels,
+                decoding=b.decoding,
+                **vllm_engine_options(b, memory),
+            )
+        except EngineStartError as e:
+            if e.memory is False:
+                raise
+            share = "vLLM's default" if memory is None else f"{memory:g}"
+            raise EngineStartError(
+                f"{e} -- if memory is short, set --{role}-vllm-memory (the {role} model's share "
+                f"of the device, now {share}), --vllm-kv-cache-gib or --vllm-max-model-len",
+                e.memory,
+            ) from e
     from speceyes.backends.hf import HFBackend
 
-    return HFBackend(spec, dtype=b.dtype, device_map=b.device_map, attn_implementation=b.attn)
+    return HFBackend(
+        spec,
+        dtype=b.dtype,
+        device_map=b.device_map,
+        attn_implementation=b.attn,
+        min_pixels=min_pixels,
+        max_pixels=max_pixels,
+        decoding=b.decoding,
+    )
+
+
+def vllm_memory(b: BackendSettings, role: str, shares_device: bool) -> float | None:
+    """The memory share of ``role``'s vLLM engine: its own setting; else, beside another
+    engine, what the other's share leaves of ``VLLM_SHARED_MEMORY`` (half of it when neither is
+    set); else None (vLLM's default)."""
+    own = getattr(b, f"{role}_vllm_memory")
+    if own is not None or not shares_device:
+        return own
+    other = getattr(b, f"{'large' if role == 'small' else 'small'}_vllm_memory")
+    return VLLM_SHARED_MEMORY / 2 if other is None else max(VLLM_SHARED_MEMORY - other, 0.05)
+
+
+def vllm_engine_options(b: BackendSettings, memory: float | None) -> dict[str, Any]:
+    """``vllm.LLM`` keyword arguments of the engine settings that are set."""
+    options: dict[str, Any] = {}
+    if memory is not None:
+        options["gpu_memory_utilization"] = memory
+    if b.vllm_kv_cache_gib is not None:  # on CPU the same as VLLM_CPU_KVCACHE_SPACE
+        options["kv_cache_memory_bytes"] = int(b.vllm_kv_cache_gib * 2**30)
+    if b.vllm_max_model_len is not None:
+        options["max_model_len"] = b.vllm_max_model_len
+    if b.vllm_eager:
+        options["enforce_eager"] = True
+    return options
 
 
 def make_agent(
@@ -367,18 +457,29 @@ def make_agent(
 def load_backends(settings: Settings) -> tuple[Backend | None, Backend | None]:
     """(small, large) as the funnel's mode needs them; one model named twice loads once."""
     s, mode = settings, settings.funnel.mode
+    if mode != "agent" and s.small is None:
+        raise ValueError(f"mode {mode!r} needs the small model")
+    if mode != "small" and s.large is None:
+        raise ValueError(f"mode {mode!r} needs the large model")
+    specs = {"small": s.small if mode != "agent" else None}
+    specs["large"] = s.large if mode != "small" and s.large != specs["small"] else None
+    engines = [x for x in specs.values() if x is not None and not _is_url(x)]
+    shares = s.backend.engine == "vllm" and len(engines) == 2
     small = None
-    if mode != "agent":
-        if s.small is None:
-            raise ValueError(f"mode {mode!r} needs the small model")
-        small = make_backend(s.small, s.small_family, s.backend)
+    if specs["small"] is not None:
+        small = make_backend(
+            s.small, s.small_family, s.backend, role="small", shares_device=shares
+        )
     large = None
     if mode != "small":
-        if s.large is None:
-            raise ValueError(f"mode {mode!r} needs the large model")
-        same = s.large == s.small and small is not None
-        large = small if same else make_backend(s.large, s.large_family, s.backend)
+        large = small if specs["large"] is None else make_backend(
+            s.large, s.large_family, s.backend, role="large", shares_device=shares
+        )
     return small, large
+
+
+def _is_url(spec: str) -> bool:
+    return spec.startswith(("http://", "https://"))
 
 
 def assemble_funnel(

@@ -11,6 +11,10 @@ aggregated over the answer's tokens (``min`` by default), and
 
 Separability is invariant to adding a constant per token, so logprobs give the same score as
 logits over the same K.
+
+A blank answer (empty or whitespace-only text) answers nothing, however peaked its logits: its
+confidence is ``BLANK_CONFIDENCE`` (0.0), so the gate never accepts it at any tau >= 0 and the
+agent answers instead (:func:`without_blank`; an answer with no tokens keeps NaN, no score).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ EPS = 1e-6
 DEFAULT_TOP_K = 64
 DEFAULT_ALPHA = 0.6
 BOTTOM_RATIO = 0.2
+BLANK_CONFIDENCE = 0.0
 
 
 def _top_k_sorted(values: np.ndarray, top_k: int) -> np.ndarray:
@@ -159,3 +164,17 @@ def answer_confidence(
 def accept(confidence: float | None, tau: float) -> bool:
     """Accept iff confidence > tau (strict); a missing or NaN confidence is never accepted."""
     return confidence is not None and not np.isnan(confidence) and confidence > tau
+
+
+def is_blank(text: str | None) -> bool:
+    """Whether an answer's text is empty or whitespace only."""
+    return text is None or not text.strip()
+
+
+def without_blank(confidence: np.ndarray, texts: Sequence[str | None]) -> np.ndarray:
+    """``confidence`` (one per answer) with each blank answer's set to ``BLANK_CONFIDENCE``;
+    NaN (an answer with no tokens) stays NaN. A new array."""
+    out = np.array(confidence, dtype=np.float64)
+    blank = np.array([is_blank(t) for t in texts], dtype=bool)
+    out[blank & ~np.isnan(out)] = BLANK_CONFIDENCE
+    return out

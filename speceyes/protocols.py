@@ -315,8 +315,22 @@ class EvalProtocol:
         agg: str,
         alpha: float,
     ) -> np.ndarray:
-        """The gate's confidence per answer (NaN where it has none): the max-softmax over the
-        top-K, aggregated by ``agg``."""
+        """The gate's confidence per answer (NaN where it has none): :meth:`answer_scores`,
+        with a blank answer's set to ``gate.BLANK_CONFIDENCE`` under every protocol."""
+        scores = self.answer_scores(backend, answers, top_k=top_k, agg=agg, alpha=alpha)
+        return gate.without_blank(scores, [a.text for a in answers])
+
+    def answer_scores(
+        self,
+        backend: Backend,
+        answers: Sequence[SpecAnswer],
+        *,
+        top_k: int,
+        agg: str,
+        alpha: float,
+    ) -> np.ndarray:
+        """The score of each answer's logits: the max-softmax over the top-K, aggregated by
+        ``agg``."""
         return gate.batch_confidence([a.topk for a in answers], top_k=top_k, agg=agg, alpha=alpha)
 
 
@@ -399,7 +413,7 @@ class PublishedProtocol(EvalProtocol):
             return answers
         return backend.answer(batch, max_new_tokens=max_new_tokens, top_k=top_k)
 
-    def confidence(
+    def answer_scores(
         self,
         backend: Backend,
         answers: Sequence[SpecAnswer],
@@ -412,7 +426,7 @@ class PublishedProtocol(EvalProtocol):
         code computes it (the values are logprobs: a server's, or whole rows turned into them
         by :meth:`answers`); other aggregations as ``fair``."""
         if agg != "log":
-            return super().confidence(backend, answers, top_k=top_k, agg=agg, alpha=alpha)
+            return super().answer_scores(backend, answers, top_k=top_k, agg=agg, alpha=alpha)
         out = np.full(len(answers), np.nan)
         for j, a in enumerate(answers):
             rows = np.asarray(a.topk, dtype=np.float64)

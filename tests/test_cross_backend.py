@@ -9,7 +9,7 @@ runtimes must agree: same answers, routes and tool calls, gate confidences and j
 probabilities within 1e-3.
 
 The server's client is given the model folder's pixel limits (a client cannot read them from a
-URL: the CLI's ``--min-pixels``/``--max-pixels``); the offline engine is given nothing, and must
+URL: the CLI's ``--large-min-pixels``/``--large-max-pixels``); the offline engine is given nothing, and must
 find them in the folder as transformers does.
 
 Runs under the vLLM environment's interpreter (see tests/vllm_support.py).
@@ -95,9 +95,9 @@ def test_offline_engine_agrees_with_transformers(reference, miniworld_queries):
 
 def test_server_agrees_with_transformers(reference, vllm_server, miniworld_queries):
     hf, ref = reference
-    # As the CLI builds it from --max-logprobs 64 --min-pixels ... --max-pixels ...
+    # As the CLI builds it from --max-logprobs 64 --large-min-pixels ... --large-max-pixels ...
     settings = factory.BackendSettings(
-        max_logprobs=MAX_LOGPROBS, min_pixels=hf.min_pixels, max_pixels=hf.max_pixels
+        max_logprobs=MAX_LOGPROBS, large_min_pixels=hf.min_pixels, large_max_pixels=hf.max_pixels
     )
     with factory.make_backend(vllm_server.url, hf.family, settings) as served:
         got = funnel_over(served).run(miniworld_queries)

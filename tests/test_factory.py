@@ -225,7 +225,7 @@ def test_a_funnel_config_without_tau_takes_the_agents():
 
 def test_one_model_named_twice_loads_once(monkeypatch):
     made = []
-    monkeypatch.setattr(factory, "make_backend", lambda spec, *a: made.append(spec) or _Stub())
+    monkeypatch.setattr(factory, "make_backend", lambda spec, *a, **kw: made.append(spec) or _Stub())
     s = Settings(small="m", large="m")
     small, large = factory.load_backends(s)
     assert small is large and made == ["m"]

@@ -13,7 +13,9 @@ from speceyes.judging import NO_VARIANTS, YES_VARIANTS, decode_rule_p_tool, tool
 from tests.conftest import make_scene
 from tests.tools.backend_contract import assert_backend_contract
 
-MODELS = ["q25", "q3"]  # the tiny Qwen2.5-VL and Qwen3-VL fixtures
+# The tiny Qwen2.5-VL and Qwen3-VL fixtures, and the real-shaped ones (real vocabulary, real
+# processor, generation configs and chat templates).
+MODELS = ["q25", "q3", "real_q25", "real_q3"]
 
 
 def _msgs(img, q="What color is the square?", opts=("red", "green")):

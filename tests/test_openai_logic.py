@@ -46,7 +46,7 @@ def test_dead_server_raises_backend_error_naming_the_url():
 def test_no_server_needed_to_construct():
     # Construction touches no network; only the first call does.
     b = OpenAIBackend(["http://127.0.0.1:9/v1"], family="qwen3_vl")
-    assert b.max_pixels == 16384 * 32 * 32 and b.min_pixels == 4 * 32 * 32
+    assert b.max_pixels == 16384 * 32 * 32 and b.min_pixels == 65536  # the release processor's
     with pytest.raises(ValueError, match="family"):
         OpenAIBackend("http://127.0.0.1:9/v1", family="llava")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="base_urls"):

@@ -151,12 +151,18 @@ class SamplingParams:
     logprobs: int | None = None
     stop: list[str] | None = None
     include_stop_str_in_output: bool = False
+    repetition_penalty: float = 1.0
 
 
 class LLM:
-    """Greedy over fixed logits per conversation: the last user text picks the row."""
+    """Greedy over fixed logits per conversation: the last user text picks the row. ``fail``
+    (a class attribute) is raised at start, as vLLM's start-up checks raise."""
+
+    fail: Exception | None = None
 
     def __init__(self, **kwargs: Any) -> None:
+        if LLM.fail is not None:
+            raise LLM.fail
         self.kwargs, self.calls = kwargs, []
         self.tok = WordTokenizer()
 
@@ -191,11 +197,18 @@ class LLM:
         return outs
 
 
-@pytest.fixture
-def backend(monkeypatch):
+def stand_in_vllm(monkeypatch) -> types.ModuleType:
+    """Install the stand-in ``vllm`` module (``LLM``, ``SamplingParams``) for one test."""
     fake = types.ModuleType("vllm")
     fake.LLM, fake.SamplingParams = LLM, SamplingParams
     monkeypatch.setitem(sys.modules, "vllm", fake)
+    monkeypatch.setattr(LLM, "fail", None)
+    return fake
+
+
+@pytest.fixture
+def backend(monkeypatch):
+    stand_in_vllm(monkeypatch)
     return vb.VLLMBackend("m", family="qwen2_5_vl", max_logprobs=12, max_images=3,
                           max_pixels=64 * 28 * 28)
 
@@ -257,9 +270,7 @@ def test_continued_turns_go_in_their_own_call_and_results_keep_order(backend):
 
 
 def test_tool_probability_reads_the_judges_top_logprobs_under_a_higher_cap(monkeypatch):
-    fake = types.ModuleType("vllm")
-    fake.LLM, fake.SamplingParams = LLM, SamplingParams
-    monkeypatch.setitem(sys.modules, "vllm", fake)
+    stand_in_vllm(monkeypatch)
     be = vb.VLLMBackend("m", family="qwen3_vl", max_logprobs=64)
     assert be.factor == 32 and be.max_pixels == 16384 * 32 * 32
     tool_probability(be, [_conv("a")])
@@ -268,3 +279,82 @@ def test_tool_probability_reads_the_judges_top_logprobs_under_a_higher_cap(monke
     assert be.llm.calls[-1][1].logprobs == 64
     with pytest.raises(ValueError, match="model family"):
         vb.VLLMBackend("m", family="llava")
+
+
+# ---- engine settings and start-up failures -------------------------------------------------------
+
+
+def test_engine_options_and_two_engines_sharing_one_device(monkeypatch, tiny_dirs):
+    from dataclasses import replace
+
+    from speceyes.cli import build_parser
+    from speceyes.factory import BackendSettings, Settings, load_backends
+
+    stand_in_vllm(monkeypatch)
+    b = BackendSettings(engine="vllm", vllm_kv_cache_gib=1.5, vllm_max_model_len=4096,
+                        vllm_eager=True)
+    folders = {r: str(tiny_dirs[f]) for r, f in (("small", "qwen3_vl"), ("large", "qwen2_5_vl"))}
+    s = Settings(small=folders["small"], large=folders["large"], backend=b)
+    small, large = load_backends(s)
+    for be in (small, large):
+        kw = be.llm.kwargs
+        assert kw["gpu_memory_utilization"] == 0.45  # both in one process: split by default
+        assert kw["kv_cache_memory_bytes"] == int(1.5 * 2**30)
+        assert kw["max_model_len"] == 4096 and kw["enforce_eager"] is True
+    s.backend = replace(b, large_vllm_memory=0.6)  # one share given: the other takes the rest
+    small, large = load_backends(s)
+    assert large.llm.kwargs["gpu_memory_utilization"] == 0.6
+    assert small.llm.kwargs["gpu_memory_utilization"] == pytest.approx(0.3)
+    # One engine (one model named twice): vLLM's own default, nothing passed.
+    alone, same = load_backends(Settings(small=folders["small"], large=folders["small"],
+                                         backend=BackendSettings(engine="vllm")))
+    assert alone is same and "gpu_memory_utilization" not in alone.llm.kwargs
+    assert {"kv_cache_memory_bytes", "max_model_len", "enforce_eager"}.isdisjoint(alone.llm.kwargs)
+    # The flags.
+    ns = build_parser().parse_args(
+        ["ask", "i.png", "q", "--small", "s", "--large", "l", "--engine", "vllm",
+         "--small-vllm-memory", "0.2", "--large-vllm-memory", "0.7", "--vllm-kv-cache-gib", "2",
+         "--vllm-max-model-len", "8192", "--vllm-eager"]
+    )
+    got = Settings.from_args(ns).backend
+    assert (got.small_vllm_memory, got.large_vllm_memory) == (0.2, 0.7)
+    assert (got.vllm_kv_cache_gib, got.vllm_max_model_len, got.vllm_eager) == (2.0, 8192, True)
+
+
+GPU_SHORT = (
+    "Free memory on device cuda:0 (30.1/79.2 GiB) on startup is less than desired GPU memory "
+    "utilization (0.45, 35.6 GiB). Decrease GPU memory utilization or reduce GPU memory used by "
+    "other processes."
+)
+
+
+def test_memory_short_at_start_names_the_flag_to_change(monkeypatch, tiny_dirs, tmp_path, capsys):
+    from speceyes.cli import main
+    from speceyes.factory import BackendSettings, make_backend
+
+    stand_in_vllm(monkeypatch)
+    folder = str(tiny_dirs["qwen2_5_vl"])
+    b = BackendSettings(engine="vllm")
+    monkeypatch.setattr(LLM, "fail", ValueError(GPU_SHORT))
+    with pytest.raises(vb.EngineStartError, match="--large-vllm-memory") as e:
+        make_backend(folder, settings=b, role="large", shares_device=True)
+    assert e.value.memory is True and "now 0.45" in str(e.value) and GPU_SHORT in str(e.value)
+    # An engine-core process that failed leaves only a RuntimeError: the flags are named too.
+    monkeypatch.setattr(LLM, "fail", RuntimeError("Engine core initialization failed. See root "
+                                                  "cause above. Failed core proc(s): {}"))
+    with pytest.raises(vb.EngineStartError, match="--small-vllm-memory") as e:
+        make_backend(folder, settings=b, role="small")
+    assert e.value.memory is None and "vLLM's default" in str(e.value)
+    # Other errors are not taken for memory.
+    monkeypatch.setattr(LLM, "fail", ValueError("Model architectures ['X'] are not supported"))
+    with pytest.raises(ValueError, match="not supported"):
+        make_backend(folder, settings=b)
+    # From the command line: exit 2, the flag in the message.
+    monkeypatch.setattr(LLM, "fail", ValueError(GPU_SHORT))
+    image = tmp_path / "i.png"
+    make_scene().save(image)
+    argv = ["ask", str(image), "Color?", "--small", str(tiny_dirs["qwen3_vl"]), "--large", folder,
+            "--engine", "vllm"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--small-vllm-memory" in err and "memory utilization" in err

@@ -7,9 +7,11 @@ Backends know nothing of the funnel. All of them take OpenAI-style chat messages
 
 from __future__ import annotations
 
+import json
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, Literal, NamedTuple, Protocol
 
 import numpy as np
@@ -28,6 +30,16 @@ MODEL_FAMILIES: dict[str, tuple[BoxCoords, int]] = {
     "qwen2_5_vl": ("absolute", 28),
     "qwen3_vl": ("relative1000", 32),
 }
+# Per model family: the pixel limits (min, max) of its released image processor, the fallback
+# where a checkpoint's own processor config is not at hand (a server's model): Qwen2.5-VL and
+# DeepEyes 3136..12845056 (4..16384 merged 28-px patches), Qwen3-VL size.shortest_edge 65536,
+# longest_edge 16777216.
+FAMILY_PIXELS: dict[str, tuple[int, int]] = {
+    "qwen2_5_vl": (4 * 28**2, 16384 * 28**2),
+    "qwen3_vl": (65536, 16384 * 32**2),
+}
+PROCESSOR_CONFIG = "preprocessor_config.json"
+GENERATION_CONFIG = "generation_config.json"
 
 
 class BackendError(RuntimeError):
@@ -51,27 +63,106 @@ def view_geometry(
     min_pixels: int | None = None,
     max_pixels: int | None = None,
 ) -> ViewGeometry:
-    """A model family's geometry, read from its image processor (its config's ``patch_size``,
-    ``merge_size`` and ``size``) where one is given, else the family's defaults (DeepEyes'
-    4..16384 merged patches); explicit pixel limits win over both."""
+    """A model family's geometry, read from its image processor where one is given: an image
+    processor object (its ``patch_size``, ``merge_size`` and ``size``) or the dict of a
+    ``preprocessor_config.json`` (where ``min_pixels``/``max_pixels`` override
+    ``size.shortest_edge``/``longest_edge``, as the Qwen processors read it); else, and for
+    what the processor leaves out, the family's released limits (``FAMILY_PIXELS``). Explicit
+    pixel limits win over both."""
     if family not in MODEL_FAMILIES:
         raise ValueError(
             f"unsupported model family {family!r}; use one of {', '.join(MODEL_FAMILIES)}"
         )
     box_coords, factor = MODEL_FAMILIES[family]
-    size: Any = {}
+    low, high = FAMILY_PIXELS[family]
     if processor is not None:
-        factor = int(getattr(processor, "patch_size", factor // 2)) * int(
-            getattr(processor, "merge_size", 2)
+        if isinstance(processor, Mapping):
+            read = processor.get
+        else:
+            fields = ("patch_size", "merge_size", "size")  # an object's size is already merged
+            read = {k: getattr(processor, k, None) for k in fields}.get
+        factor = int(read("patch_size") or factor // 2) * int(read("merge_size") or 2)
+        size = read("size") or {}
+        get = size.get if isinstance(size, Mapping) else lambda k, d=None: getattr(size, k, d)
+        low = read("min_pixels") or get("shortest_edge") or low
+        high = read("max_pixels") or get("longest_edge") or high
+    return ViewGeometry(box_coords, factor, min_pixels or low, max_pixels or high)
+
+
+def checkpoint_file(model: str | Path, filename: str) -> Path | None:
+    """``filename`` of a checkpoint: in its folder, or for a hub id in the local HF cache
+    (fetched when the hub is reachable and offline mode is off); None where it has none."""
+    local = Path(str(model)).expanduser()
+    if local.is_dir():
+        path = local / filename
+        return path if path.is_file() else None
+    try:
+        from transformers.utils import cached_file
+
+        found = cached_file(
+            str(model),
+            filename,
+            _raise_exceptions_for_missing_entries=False,
+            _raise_exceptions_for_connection_errors=False,
         )
-        size = getattr(processor, "size", None) or {}
-    get = size.get if isinstance(size, dict) else lambda k, d=None: getattr(size, k, d)
-    return ViewGeometry(
-        box_coords,
-        factor,
-        min_pixels or get("shortest_edge") or 4 * factor**2,
-        max_pixels or get("longest_edge") or 16384 * factor**2,
-    )
+    except (ImportError, OSError, ValueError):  # no transformers, or not a valid repo id
+        return None
+    return Path(found) if found else None
+
+
+def checkpoint_json(model: str | Path, filename: str) -> dict[str, Any] | None:
+    """A checkpoint's JSON file as a dict (see ``checkpoint_file``); None where it has none or
+    it is not a JSON object."""
+    path = checkpoint_file(model, filename)
+    if path is None:
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def checkpoint_geometry(
+    family: str,
+    model: str | Path | None,
+    *,
+    processor: Any = None,
+    min_pixels: int | None = None,
+    max_pixels: int | None = None,
+) -> ViewGeometry:
+    """The view geometry every backend gives the checkpoint ``model`` (a folder or hub id;
+    None: a model whose files are not at hand): its ``preprocessor_config.json`` where it has
+    one, else ``processor`` (a loaded image processor) if given, else the family's released
+    limits (``FAMILY_PIXELS``); explicit limits win (``view_geometry``)."""
+    config = None if model is None else checkpoint_json(model, PROCESSOR_CONFIG)
+    source = config if config is not None else processor
+    return view_geometry(family, source, min_pixels=min_pixels, max_pixels=max_pixels)
+
+
+# ---- decoding policy ---------------------------------------------------------------------------
+# "checkpoint": greedy decoding with the generation_config's settings below, as HF generate and
+# a vLLM server apply them; "greedy-plain": greedy with each set to its neutral value.
+DECODING_POLICIES: tuple[str, ...] = ("checkpoint", "greedy-plain")
+# The generation_config fields that change a greedy decode and that every backend applies the
+# same way (HF generate, vLLM SamplingParams, a server request), with their neutral values.
+DECODING_FIELDS: dict[str, float] = {"repetition_penalty": 1.0}
+
+
+def check_decoding(policy: str) -> str:
+    if policy not in DECODING_POLICIES:
+        raise ValueError(
+            f"unknown decoding {policy!r}; choose from {', '.join(DECODING_POLICIES)}"
+        )
+    return policy
+
+
+def decoding_settings(policy: str, generation_config: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The greedy decode's settings under ``policy`` from a checkpoint's generation_config (a
+    dict; None: the checkpoint has none): ``DECODING_FIELDS`` by name, every one set."""
+    check_decoding(policy)
+    config = generation_config if policy == "checkpoint" and generation_config else {}
+    return {k: config.get(k) if config.get(k) is not None else v for k, v in DECODING_FIELDS.items()}
 
 
 class Backend(Protocol):
@@ -100,6 +191,9 @@ class Backend(Protocol):
     max_images: int | None
     # Top logprobs one generated token can return (a server's cap); None: the whole vocabulary.
     max_logprobs: int | None
+    # The decoding policy and the settings greedy decoding uses under it, e.g.
+    # {"policy": "checkpoint", "repetition_penalty": 1.05} (see ``decoding_settings``).
+    decoding: dict[str, Any]
 
     def view_of(self, image: Any) -> View:
         """The geometry of ``image`` as this model sees it (after its smart_resize)."""

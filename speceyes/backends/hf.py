@@ -9,7 +9,6 @@ model, without which Qwen2.5-VL silently loses M-RoPE and Qwen3-VL refuses to ru
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 from collections.abc import Sequence
@@ -23,10 +22,13 @@ from speceyes.backends.base import (
     BackendError,
     Messages,
     Scores,
+    checkpoint_file,
+    checkpoint_geometry,
+    checkpoint_json,
     cut_at_stop,
+    decoding_settings,
     first_token_ids,
     map_images,
-    view_geometry,
 )
 from speceyes.images import View, load_image, resize_for_model, view_for_model
 from speceyes.types import ChatTurn, SpecAnswer
@@ -38,11 +40,15 @@ class ModelLoadError(ValueError):
     """A model path or hub id could not be loaded; the message says what was tried."""
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
+def chat_template_file(model: str | Path) -> str | None:
+    """The chat template a checkpoint keeps beside its tokenizer config, in its folder or, for
+    a hub id, in the HF cache: ``chat_template.jinja``, else ``chat_template.json`` (which
+    transformers' tokenizer does not read); None where it has neither."""
+    path = checkpoint_file(model, "chat_template.jinja")
+    if path is not None:
+        return path.read_text(encoding="utf-8")
+    template = (checkpoint_json(model, "chat_template.json") or {}).get("chat_template")
+    return template if isinstance(template, str) and template else None
 
 
 class HFBackend:
@@ -57,6 +63,7 @@ class HFBackend:
         attn_implementation: str | None = None,
         min_pixels: int | None = None,
         max_pixels: int | None = None,
+        decoding: str = "checkpoint",
         name: str | None = None,
     ) -> None:
         import torch
@@ -100,11 +107,17 @@ class HFBackend:
         self.model = AutoModelForImageTextToText.from_pretrained(source, **kwargs).eval()
 
         ip = self.image_processor
-        # The checkpoint's own processor config sets the geometry (unless limits are given).
-        self.box_coords, self.factor, self.min_pixels, self.max_pixels = view_geometry(
-            self.family, ip, min_pixels=min_pixels, max_pixels=max_pixels
+        # The checkpoint's own processor config sets the geometry (unless limits are given),
+        # read as every backend reads it; the loaded processor where the file is not found.
+        self.box_coords, self.factor, self.min_pixels, self.max_pixels = checkpoint_geometry(
+            self.family, source, processor=ip, min_pixels=min_pixels, max_pixels=max_pixels
         )
         self.merge = int(getattr(ip, "merge_size", 2))
+        # The processor resizes with these limits too, so its resize keeps the view exactly.
+        self._size = {"shortest_edge": self.min_pixels, "longest_edge": self.max_pixels}
+        gen = getattr(self.model, "generation_config", None)
+        self._decode = decoding_settings(decoding, gen.to_dict() if gen is not None else None)
+        self.decoding: dict[str, Any] = {"policy": decoding, **self._decode}
         # In process: whole logit rows, any number of images, top-K over the whole vocabulary.
         self.scores: Scores = "logits"
         self.max_images: int | None = None
@@ -115,13 +128,8 @@ class HFBackend:
         if tok.pad_token_id is None:
             tok.pad_token = tok.eos_token
         if tok.chat_template is None:
-            tmpl = local / "chat_template.jinja" if local.exists() else None
-            data = _read_json(local / "chat_template.json") if local.exists() else {}
-            if tmpl is not None and tmpl.is_file():
-                tok.chat_template = tmpl.read_text()
-            elif data.get("chat_template"):
-                tok.chat_template = data["chat_template"]
-            else:
+            tok.chat_template = chat_template_file(source)
+            if tok.chat_template is None:
                 raise ModelLoadError(f"{source}: no chat template found")
         self.image_token = "<|image_pad|>"
         self.image_token_id = tok.convert_tokens_to_ids(self.image_token)
@@ -176,7 +184,7 @@ class HFBackend:
             )
         extra: dict[str, Any] = {}
         if images:
-            pix = self.image_processor(images=images, return_tensors="pt")
+            pix = self.image_processor(images=images, size=self._size, return_tensors="pt")
             grid = pix["image_grid_thw"]
             counts = (grid.prod(dim=-1) // (self.merge**2)).tolist()
             k = 0
@@ -213,6 +221,7 @@ class HFBackend:
                     return_dict_in_generate=True,
                     pad_token_id=self.tokenizer.pad_token_id,
                     eos_token_id=sorted(self.eos_ids),
+                    **self._decode,
                     **kwargs,
                 )
             except torch.OutOfMemoryError as e:  # pragma: no cover - GPU only

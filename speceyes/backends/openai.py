@@ -73,6 +73,7 @@ from speceyes.backends.base import (
     BackendError,
     Messages,
     Scores,
+    decoding_settings,
     map_images,
     view_geometry,
 )
@@ -179,6 +180,7 @@ class OpenAIBackend:
         routing: Routing = "affinity",
         session_header: str | None = None,
         max_model_len: int | None = None,
+        decoding: str = "checkpoint",
     ) -> None:
         try:
             import openai
@@ -209,7 +211,11 @@ class OpenAIBackend:
         self.max_logprobs = int(max_logprobs)
         # The server's per-prompt image limit (vLLM --limit-mm-per-prompt), if it has one.
         self.max_images = max_images
-        self.extra_body = dict(extra_body or {})
+        # "checkpoint": the server applies its model's generation_config (vLLM's default);
+        # "greedy-plain" sends the neutral settings with every request.
+        plain = {} if decoding == "checkpoint" else decoding_settings(decoding, None)
+        self.decoding: dict[str, Any] = {"policy": decoding, **plain}
+        self.extra_body = {**plain, **dict(extra_body or {})}
         self.eos_tokens = tuple(eos_tokens)
         self._max_concurrency = max_concurrency
         self._api_key = api_key

@@ -4,7 +4,10 @@ One ``LLM`` engine runs each model in this process. Every batch of conversations
 ``LLM.chat`` at once, so vLLM schedules them together with paged attention and continuous
 batching. Images are resized here with the model's smart_resize (the exact scale is needed to
 map zoom boxes back) and the engine is given the same pixel limits, so its own resize is a
-no-op. ``limit_mm_per_prompt`` covers the original image plus one crop per tool call.
+no-op. ``limit_mm_per_prompt`` covers the original image plus one crop per tool call. The
+pixel limits come from the checkpoint's ``preprocessor_config.json``, read as every backend
+reads it (``checkpoint_geometry``). Greedy decoding follows the decoding policy: an explicit
+``SamplingParams`` makes vLLM skip the model's generation_config, so its settings are set here.
 
 The engine's outputs are read by the module-level functions below (``RequestOutput.outputs[0]``
 is a ``CompletionOutput``; its ``logprobs`` hold one ``{token id: Logprob}`` dict per generated
@@ -14,25 +17,54 @@ CPU against stand-ins of those types.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Collection, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from speceyes.backends.base import (
+    GENERATION_CONFIG,
     BackendError,
     Messages,
     Scores,
+    checkpoint_geometry,
+    checkpoint_json,
     cut_at_stop,
+    decoding_settings,
     first_token_ids,
     map_images,
-    view_geometry,
 )
 from speceyes.images import View, load_image, resize_for_model, view_for_model
 from speceyes.types import ChatTurn, SpecAnswer
+
+
+class EngineStartError(BackendError):
+    """A vLLM engine did not start. ``memory`` is True where vLLM said memory was short, None
+    where the cause is unknown here (an engine-core process failed; vLLM logs its cause)."""
+
+    def __init__(self, message: str, memory: bool | None) -> None:
+        super().__init__(message)
+        self.memory = memory
+
+
+# vLLM's start-up checks that fail for lack of memory (GPU or CPU), matched in their messages.
+_MEMORY_MESSAGES = ("memory utilization", "KV cache", "cache blocks", "out of memory")
+
+
+def start_error(name: str, error: Exception) -> EngineStartError | None:
+    """``error`` raised while an engine started, as an ``EngineStartError`` (None: not a
+    start-up failure). In-process checks raise ValueError; an engine-core process that fails
+    leaves only a RuntimeError here."""
+    text = str(error)
+    if isinstance(error, ValueError) and any(m in text for m in _MEMORY_MESSAGES):
+        return EngineStartError(f"{name}: vLLM engine memory is short: {text}", memory=True)
+    if isinstance(error, RuntimeError) and "initialization failed" in text:
+        return EngineStartError(
+            f"{name}: the vLLM engine did not start ({text}); its cause is logged above",
+            memory=None,
+        )
+    return None
 
 
 class VLLMBackend:
@@ -47,6 +79,7 @@ class VLLMBackend:
         max_images: int = 6,
         min_pixels: int | None = None,
         max_pixels: int | None = None,
+        decoding: str = "checkpoint",
         name: str | None = None,
         **engine_kwargs: Any,
     ) -> None:
@@ -60,24 +93,29 @@ class VLLMBackend:
             from transformers import AutoConfig
 
             family = AutoConfig.from_pretrained(model).model_type
-        # The checkpoint's own limits first, as HFBackend reads them (the bundled mini-world
-        # models state 224x224 at most), then the family default.
-        ckpt_min, ckpt_max = checkpoint_pixel_limits(model)
-        self.box_coords, self.factor, self.min_pixels, self.max_pixels = view_geometry(
-            family, min_pixels=min_pixels or ckpt_min, max_pixels=max_pixels or ckpt_max
+        self.box_coords, self.factor, self.min_pixels, self.max_pixels = checkpoint_geometry(
+            family, model, min_pixels=min_pixels, max_pixels=max_pixels
         )
+        self._decode = decoding_settings(decoding, checkpoint_json(model, GENERATION_CONFIG))
+        self.decoding: dict[str, Any] = {"policy": decoding, **self._decode}
         self.name = name or model.rstrip("/").rsplit("/", 1)[-1]
         self.family = family
         self.scores: Scores = "logprobs"  # the engine's top logprobs, full-vocabulary normalised
         self.max_logprobs = max_logprobs
         self.max_images = max_images  # per prompt; agents that add images stay under it
-        self.llm = LLM(
-            model=model,
-            max_logprobs=max_logprobs,
-            limit_mm_per_prompt={"image": max_images},
-            mm_processor_kwargs={"min_pixels": self.min_pixels, "max_pixels": self.max_pixels},
-            **engine_kwargs,
-        )
+        try:
+            self.llm = LLM(
+                model=model,
+                max_logprobs=max_logprobs,
+                limit_mm_per_prompt={"image": max_images},
+                mm_processor_kwargs={"min_pixels": self.min_pixels, "max_pixels": self.max_pixels},
+                **engine_kwargs,
+            )
+        except (ValueError, RuntimeError) as e:
+            error = start_error(self.name, e)
+            if error is None:
+                raise
+            raise error from e
         self.tokenizer = self.llm.get_tokenizer()
 
     def view_of(self, image: Any) -> View:
@@ -114,7 +152,7 @@ class VLLMBackend:
             return np.zeros((0, len(words)))
         ids = first_token_ids(self.tokenizer, words)
         k = self.max_logprobs if top_logprobs is None else min(top_logprobs, self.max_logprobs)
-        params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=k)
+        params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=k, **self._decode)
         return np.stack([token_probs(first_step(o), ids) for o in self._chat(batch, params)])
 
     def answer(
@@ -128,7 +166,9 @@ class VLLMBackend:
             )
         if not batch:
             return []
-        params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, logprobs=top_k)
+        params = SamplingParams(
+            temperature=0.0, max_tokens=max_new_tokens, logprobs=top_k, **self._decode
+        )
         answers = []
         eos = {self.tokenizer.eos_token_id, *getattr(self.tokenizer, "all_special_ids", [])}
         for o in self._chat(batch, params):
@@ -149,6 +189,7 @@ class VLLMBackend:
             max_tokens=max_new_tokens,
             stop=list(stop) or None,
             include_stop_str_in_output=True,
+            **self._decode,
         )
         turns = []
         for o in self._chat(batch, params):
@@ -157,23 +198,6 @@ class VLLMBackend:
             finish = "length" if c.finish_reason == "length" else "stop"
             turns.append(ChatTurn(text=text, finish_reason=finish, stop=which, tokens=len(c.token_ids)))
         return turns
-
-
-
-def checkpoint_pixel_limits(model: str) -> tuple[int | None, int | None]:
-    """(min, max) pixels a local checkpoint's ``preprocessor_config.json`` states: its ``size``
-    (``shortest_edge`` / ``longest_edge``, what HFBackend's image processor holds), else the
-    older ``min_pixels`` / ``max_pixels`` keys; None for a limit not stated, a hub id or an
-    unreadable file."""
-    try:
-        cfg = json.loads((Path(model).expanduser() / "preprocessor_config.json").read_text())
-    except (OSError, ValueError):
-        return None, None
-    size = cfg.get("size") if isinstance(cfg.get("size"), dict) else {}
-    return (
-        size.get("shortest_edge") or cfg.get("min_pixels"),
-        size.get("longest_edge") or cfg.get("max_pixels"),
-    )
 
 
 # ---- the engine's outputs, read without the engine ---------------------------------------------

@@ -163,6 +163,11 @@ def run_eval(
         "models": spec.models,
         "agent": getattr(funnel.agent, "name", None),
         "loader": spec.loader_kw,
+        # Each model's decoding policy and the greedy settings it decodes with.
+        "decoding": {
+            role: getattr(backend, "decoding", None)
+            for role, backend in (("small", funnel.small), ("large", funnel.large))
+        },
     }
     if spec.shard is not None:  # only when sharded: older run folders still resume
         config["shard"] = str(spec.shard)
@@ -175,6 +180,8 @@ def run_eval(
         logged_state = run_dir.read_state()
         if logged_state is not None:
             state = logged_state
+            # A run logged before "decoding" was recorded resumes under today's.
+            state["config"].setdefault("decoding", json.loads(json.dumps(config["decoding"])))
             if state["config"] != json.loads(json.dumps(config)):
                 diff = sorted(
                     k for k in config if state["config"].get(k) != json.loads(json.dumps(config[k]))

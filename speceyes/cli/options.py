@@ -11,7 +11,8 @@ import argparse
 
 from speceyes import gate, protocols
 from speceyes.agents import registry
-from speceyes.factory import AgentSettings, BackendSettings, Settings
+from speceyes.backends.base import DECODING_POLICIES
+from speceyes.factory import VLLM_SHARED_MEMORY, AgentSettings, BackendSettings, Settings
 from speceyes.funnel import JUDGES, MODES, SCHEDULES, FunnelConfig
 
 _SEARCH = registry.AGENTS["search"]
@@ -75,21 +76,6 @@ def add_model_args(p: argparse.ArgumentParser, *, required: bool = True) -> None
         help="top_logprobs cap of the servers behind URLs (vLLM: --max-logprobs) "
         f"(default: {b.max_logprobs})",
     )
-    # A URL does not say its model's image limits; a folder's preprocessor_config.json does.
-    g.add_argument(
-        "--min-pixels",
-        type=int,
-        default=b.min_pixels,
-        help="smallest image (pixels) the models behind URLs see (default: the family's, 4 "
-        "visual tokens); a checkpoint states it as size.shortest_edge",
-    )
-    g.add_argument(
-        "--max-pixels",
-        type=int,
-        default=b.max_pixels,
-        help="largest image (pixels) the models behind URLs see (default: the family's, 16384 "
-        "visual tokens); a checkpoint states it as size.longest_edge",
-    )
     for role in ("small", "large"):
         g.add_argument(
             f"--{role}-model",
@@ -114,6 +100,53 @@ def add_model_args(p: argparse.ArgumentParser, *, required: bool = True) -> None
         help="context length of the servers behind URLs; an agent turn that would pass it "
         "ends its loop (\"context budget\") (default: what /v1/models reports, vLLM and "
         "SGLang do; else no budget)",
+    )
+    for role in ("small", "large"):
+        for bound, edge in (("min", "shortest_edge"), ("max", "longest_edge")):
+            g.add_argument(
+                f"--{role}-{bound}-pixels",
+                type=int,
+                default=None,
+                help=f"{bound} pixels of the {role} model's view (default: its checkpoint's "
+                f"preprocessor_config.json {edge}; behind a URL, the family's release's)",
+            )
+    g.add_argument(
+        "--decoding",
+        default=b.decoding,
+        choices=DECODING_POLICIES,
+        help="greedy decoding of every backend: checkpoint (with its generation_config's "
+        "repetition_penalty, as transformers' generate and a vLLM server apply it) or "
+        f"greedy-plain (no penalty) (default: {b.decoding})",
+    )
+    v = p.add_argument_group("vLLM engines (--engine vllm)")
+    for role in ("small", "large"):
+        v.add_argument(
+            f"--{role}-vllm-memory",
+            type=float,
+            default=None,
+            metavar="SHARE",
+            help=f"share of the GPU's memory (on CPU: of RAM) for the {role} model's engine "
+            f"(default: vLLM's; {VLLM_SHARED_MEMORY / 2:g} each when both models run here)",
+        )
+    v.add_argument(
+        "--vllm-kv-cache-gib",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="KV cache per engine in GiB, in place of the memory share (on CPU the same as "
+        "VLLM_CPU_KVCACHE_SPACE) (default: what the share leaves)",
+    )
+    v.add_argument(
+        "--vllm-max-model-len",
+        type=int,
+        default=b.vllm_max_model_len,
+        metavar="TOKENS",
+        help="longest prompt plus answer an engine takes (default: the model's own)",
+    )
+    v.add_argument(
+        "--vllm-eager",
+        action="store_true",
+        help="no CUDA graphs or torch.compile: starts faster, decodes slower",
     )
 
 

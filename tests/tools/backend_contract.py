@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from speceyes import gate, prompts
-from speceyes.backends.base import Backend
+from speceyes.backends.base import DECODING_FIELDS, DECODING_POLICIES, Backend
 from speceyes.judging import (
     JUDGE_LOGPROBS,
     JUDGE_WORDS,
@@ -31,6 +31,10 @@ def assert_backend_contract(be: Backend) -> None:
     assert be.scores in ("logits", "logprobs")
     for limit in (be.max_images, be.max_logprobs):
         assert limit is None or (isinstance(limit, int) and limit >= 1)
+    # The decoding policy and the greedy settings it decodes with, by their generation_config
+    # names (a server under "checkpoint" applies its model's own, unknown here).
+    assert be.decoding["policy"] in DECODING_POLICIES
+    assert set(be.decoding) - {"policy"} <= set(DECODING_FIELDS)
     for size in ((1000, 600), (60, 40)):  # shrunk to max_pixels, grown to min_pixels
         v = be.view_of(make_scene(size=size))
         assert (v.orig_w, v.orig_h) == size
