@@ -157,6 +157,13 @@ class VLLMServer:
 def start_server(model: Path, log: Path, timeout: float = START_TIMEOUT) -> VLLMServer:
     """Start a server and wait until ``/health`` answers 200; a RuntimeError with the log's
     tail if it exits or does not come up within ``timeout`` seconds."""
+    return wait_ready(launch_server(model, log), timeout)
+
+
+def launch_server(model: Path, log: Path) -> VLLMServer:
+    """Start a server serving the model folder ``model`` (log to ``log``) without waiting for
+    it. Call from the thread that outlives the server: Linux delivers the parent-death signal
+    when the *thread* that started the child exits."""
     from tests.test_openai_logic import free_port  # here: a test module, imported after collection
 
     port = free_port()
@@ -177,6 +184,13 @@ def start_server(model: Path, log: Path, timeout: float = START_TIMEOUT) -> VLLM
         out.close()  # the child holds its own copy
     server = VLLMServer(model=model, port=port, log=log, proc=proc)
     atexit.register(server.stop)  # also on an interrupt that skips fixture teardown
+    return server
+
+
+def wait_ready(server: VLLMServer, timeout: float = START_TIMEOUT) -> VLLMServer:
+    """``server`` once ``/health`` answers 200; stopped, and a RuntimeError with the log's tail,
+    if it exits or does not come up within ``timeout`` seconds."""
+    proc, log = server.proc, server.log
     started = time.monotonic()
     while time.monotonic() - started < timeout:
         if proc.poll() is not None:

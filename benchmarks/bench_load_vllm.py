@@ -1,0 +1,351 @@
+"""Load benchmark on a real engine: agent-only vs SpecEyes (each judge variant) behind vLLM.
+
+Starts two vLLM OpenAI servers on 127.0.0.1 (free ports), one per bundled mini-world model
+(``speceyes/miniworld/models/{small,large}``), with the settings of ``tests/vllm_support.py``
+(CPU build: eager, 1 GiB KV cache, prefix caching, 64 logprobs, float32). Each mode gets its own
+in-process ``speceyes serve`` app (pipelined schedule, the manifest's search agent, tau and batch
+size; the clients see the checkpoints' own 224x224 view, as transformers does). Closed-loop
+clients at concurrency C send the same mini-world test questions to every mode:
+
+- ``agent-only``: every query through the large model's search loop;
+- ``speceyes/<judge>``: the funnel with that judge variant (``large`` is the published one).
+
+Modes are interleaved in time: for each C, ``--rounds`` rounds, and in each round every mode
+serves one batch of requests in turn (the order rotates by round), so load from other processes
+on the machine falls on all modes alike. Per mode and C it prints throughput (queries/s over
+that mode's batches), client-side p50/p95 latency, accuracy, the share answered by the small
+model, and throughput and p50 against agent-only at the same C. Writes OUT/results.json and
+OUT/table.md. The vLLM servers are always stopped (their process groups), also on Ctrl-C,
+SIGTERM or SIGHUP.
+
+    python benchmarks/bench_load_vllm.py [--concurrency 1,4,16] [--with-64] [--rounds 3]
+        [--requests 0] [--scenes 2] [--judges large,prefix,none] [--out runs/bench-load-vllm]
+
+The vLLM environment is ``.venv-vllm`` (``bash tests/vllm_env/setup.sh``) or ``--vllm-python``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run from a checkout without installing; tests/ holds the helpers
+    sys.path.insert(0, str(ROOT))
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import numpy as np  # noqa: E402
+
+from speceyes.backends.vllm import checkpoint_pixel_limits  # noqa: E402
+from speceyes.bench import scoring  # noqa: E402
+from speceyes.bench.datasets import load_jsonl  # noqa: E402
+from speceyes.factory import MANIFEST, Settings, build_funnel  # noqa: E402
+from speceyes.images import load_image, to_data_uri  # noqa: E402
+from speceyes.miniworld.demo import MODELS_DIR  # noqa: E402
+from speceyes.miniworld.splits import level_defaults, make_split  # noqa: E402
+from speceyes.types import Query  # noqa: E402
+
+AGENT_ONLY = "agent-only"
+SMALL_ROUTE = "small"  # the route of an answer the small model gave (gate accepted)
+CLIENT_TIMEOUT_S = 900.0
+
+
+@dataclass
+class Mode:
+    label: str
+    mode: str  # the funnel's mode
+    judge: str | None = None  # the judge variant (speceyes mode only)
+
+
+@dataclass
+class Sample:
+    latency_s: float
+    correct: bool
+    route: str
+
+
+@dataclass
+class Cell:
+    """One mode at one concurrency: every request of its batches, and their wall time."""
+
+    mode: str
+    concurrency: int
+    samples: list[Sample] = field(default_factory=list)
+    wall_s: float = 0.0
+    errors: int = 0
+
+    def summary(self) -> dict[str, Any]:
+        lat = np.array([s.latency_s for s in self.samples]) if self.samples else np.zeros(0)
+        n = len(self.samples)
+        return {
+            "mode": self.mode,
+            "concurrency": self.concurrency,
+            "requests": n,
+            "errors": self.errors,
+            "wall_s": round(self.wall_s, 3),
+            "qps": n / self.wall_s if self.wall_s > 0 else None,
+            "p50_s": float(np.percentile(lat, 50)) if n else None,
+            "p95_s": float(np.percentile(lat, 95)) if n else None,
+            "accuracy": sum(s.correct for s in self.samples) / n if n else None,
+            "small_share": sum(s.route == SMALL_ROUTE for s in self.samples) / n if n else None,
+        }
+
+
+def modes_of(judges: list[str]) -> list[Mode]:
+    return [Mode(AGENT_ONLY, "agent")] + [Mode(f"speceyes/{j}", "speceyes", j) for j in judges]
+
+
+def question_set(out: Path, scenes: int, seed: int) -> list[Query]:
+    """Level-1 mini-world test questions (the bundled models' world), ``scenes`` x 8."""
+    canvas, clutter = level_defaults(1)
+    make_split(out, "test", scenes, seed=seed, canvas=canvas, clutter=clutter, level=1)
+    return list(load_jsonl(out / "questions.jsonl"))
+
+
+def request_body(q: Query, image_uri: str) -> dict[str, Any]:
+    content = [
+        {"type": "image_url", "image_url": {"url": image_uri}},
+        {"type": "text", "text": q.question},
+    ]
+    body: dict[str, Any] = {"model": "speceyes", "messages": [{"role": "user", "content": content}]}
+    if q.options:
+        body["options"] = list(q.options)
+    return body
+
+
+def model_family(folder: Path) -> str:
+    return json.loads((folder / "config.json").read_text())["model_type"]
+
+
+def settings_for(mode: Mode, small_url: str, large_url: str) -> Settings:
+    """The demo's settings (manifest) with the models behind the servers, seen as the
+    checkpoints see images, on the pipelined schedule."""
+    from tests.vllm_support import MAX_LOGPROBS
+
+    s = Settings.from_manifest(MODELS_DIR / MANIFEST)
+    lo, hi = checkpoint_pixel_limits(str(MODELS_DIR / "large"))
+    s.small, s.large = small_url, large_url
+    s.small_family = model_family(MODELS_DIR / "small")
+    s.large_family = model_family(MODELS_DIR / "large")
+    s.backend.max_logprobs = MAX_LOGPROBS
+    s.backend.min_pixels, s.backend.max_pixels = lo, hi
+    changes: dict[str, Any] = {"mode": mode.mode, "schedule": "pipelined"}
+    if mode.judge is not None:
+        changes["judge"] = mode.judge
+    return s.with_funnel(**changes)
+
+
+async def closed_loop(
+    url: str, bodies: list[dict], queries: list[Query], start: int, n: int, concurrency: int
+) -> tuple[list[Sample], int, float]:
+    """``n`` requests (queries ``start``, ``start+1``, ... cyclically) from ``concurrency``
+    clients, each sending its next request when its last one is answered."""
+    import aiohttp
+
+    next_i = 0
+    samples: list[Sample] = []
+    errors = 0
+    timeout = aiohttp.ClientTimeout(total=CLIENT_TIMEOUT_S)
+
+    async def client(session: aiohttp.ClientSession) -> None:
+        nonlocal next_i, errors
+        while next_i < n:
+            k = (start + next_i) % len(queries)
+            next_i += 1
+            t0 = time.perf_counter()
+            async with session.post(url + "/v1/chat/completions", json=bodies[k]) as r:
+                data = await r.json()
+            dt = time.perf_counter() - t0
+            if r.status != 200:
+                errors += 1
+                print(f"  request error {r.status}: {str(data)[:300]}", flush=True)
+                continue
+            answer = data["choices"][0]["message"]["content"]
+            route = data.get("speceyes", {}).get("route", "")
+            samples.append(Sample(dt, scoring.is_correct(queries[k], answer), route))
+
+    t0 = time.perf_counter()
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        await asyncio.gather(*(client(session) for _ in range(concurrency)))
+    return samples, errors, time.perf_counter() - t0
+
+
+def start_servers(log_dir: Path, timeout: float) -> list[Any]:
+    """The small and large model servers, launched together (start-up is mostly waiting) from
+    this thread (the one that outlives them), then waited for."""
+    from tests.vllm_support import launch_server, wait_ready
+
+    servers = [launch_server(MODELS_DIR / n, log_dir / f"vllm-{n}.log") for n in ("small", "large")]
+    try:
+        for s in servers:
+            wait_ready(s, timeout)
+    except BaseException:
+        for s in servers:
+            s.stop()
+        raise
+    return servers
+
+
+def _signals_as_interrupt() -> None:
+    """SIGTERM and SIGHUP raise KeyboardInterrupt, so the servers' clean-up runs."""
+
+    def handler(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, handler)
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """Markdown: one row per C and mode, ratios against agent-only at the same C."""
+
+    def f(x: float | None, fmt: str) -> str:
+        return "-" if x is None else format(x, fmt)
+
+    base = {r["concurrency"]: r for r in rows if r["mode"] == AGENT_ONLY}
+    out = [
+        "| C | mode | requests | queries/s | x agent-only | p50 s | p95 s | p50 / agent-only "
+        "| accuracy | small model answers |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        b = base.get(r["concurrency"], {})
+        out.append(
+            f"| {r['concurrency']} | {r['mode']} | {r['requests']}"
+            + (f" ({r['errors']} errors)" if r["errors"] else "")
+            + f" | {f(r['qps'], '.2f')} | {f(ratio(r['qps'], b.get('qps')), '.2f')}"
+            f" | {f(r['p50_s'], '.2f')} | {f(r['p95_s'], '.2f')}"
+            f" | {f(ratio(r['p50_s'], b.get('p50_s')), '.2f')}"
+            f" | {f(r['accuracy'], '.1%')} | {f(r['small_share'], '.0%')} |"
+        )
+    return "\n".join(out)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--concurrency", default="1,4,16", help="comma-separated C values")
+    ap.add_argument("--with-64", action="store_true", help="also C=64")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds per C")
+    ap.add_argument(
+        "--requests", type=int, default=0, help="requests per mode per round (default: max(4C, 8))"
+    )
+    ap.add_argument("--scenes", type=int, default=2, help="mini-world test scenes (8 questions)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--judges", default="large,prefix,none", help="SpecEyes judge variants")
+    ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-load-vllm")
+    ap.add_argument("--start-timeout", type=float, default=600.0, help="seconds per server")
+    ap.add_argument(
+        "--vllm-python", type=Path, default=None,
+        help="the vLLM environment's python (default: .venv-vllm/bin/python)",
+    )  # fmt: skip
+    args = ap.parse_args()
+    cs = [int(x) for x in args.concurrency.split(",") if x.strip()]
+    if args.with_64 and 64 not in cs:
+        cs.append(64)
+    from speceyes.funnel import JUDGES
+
+    judges = [j.strip() for j in args.judges.split(",") if j.strip()]
+    if any(j not in JUDGES for j in judges):
+        ap.error(f"--judges takes {', '.join(JUDGES)}")
+    modes = modes_of(judges)
+
+    from speceyes.serve import create_app
+    from tests import vllm_support
+    from tests.tools.server_thread import ServerThread
+
+    if args.vllm_python is not None:  # server_command reads it when a server starts
+        vllm_support.VLLM_PYTHON = args.vllm_python
+    if not vllm_support.VLLM_PYTHON.is_file():
+        print(f"no vLLM environment at {vllm_support.VLLM_PYTHON}: {vllm_support.SETUP_HINT}")
+        return 2
+    _signals_as_interrupt()
+    args.out.mkdir(parents=True, exist_ok=True)
+    t_all = time.perf_counter()
+    servers: list[Any] = []
+    apps: list[ServerThread] = []
+    cells: dict[tuple[str, int], Cell] = {}
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            queries = question_set(Path(tmp) / "mw", args.scenes, args.seed)
+            uris = {q.image: to_data_uri(load_image(q.image)) for q in queries}
+            bodies = [request_body(q, uris[q.image]) for q in queries]
+            print(
+                f"{len(queries)} questions on {args.scenes} scenes; modes: "
+                f"{', '.join(m.label for m in modes)}; C = {cs}; rounds {args.rounds}",
+                flush=True,
+            )
+            t0 = time.perf_counter()
+            servers = start_servers(args.out, args.start_timeout)
+            start_s = time.perf_counter() - t0
+            print(f"vLLM servers up in {start_s:.0f} s", flush=True)
+            small_url, large_url = servers[0].url, servers[1].url
+            urls = {}
+            for m in modes:
+                funnel = build_funnel(settings_for(m, small_url, large_url))
+                srv = ServerThread(create_app(funnel, max_queue=1024, request_timeout=None))
+                apps.append(srv.start())
+                urls[m.label] = srv.url
+            # Untimed warm-up: each mode answers every question once (first calls, caches).
+            for m in modes:
+                asyncio.run(closed_loop(urls[m.label], bodies, queries, 0, len(queries), 4))
+            print(f"warm-up done at {time.perf_counter() - t_all:.0f} s", flush=True)
+            for c in cs:
+                n = args.requests or max(4 * c, 8)
+                for r in range(args.rounds):
+                    for j in range(len(modes)):  # the order rotates by round
+                        m = modes[(j + r) % len(modes)]
+                        cell = cells.setdefault((m.label, c), Cell(m.label, c))
+                        start = (r * n) % len(queries)  # every mode the same queries per round
+                        got, errs, wall = asyncio.run(
+                            closed_loop(urls[m.label], bodies, queries, start, n, c)
+                        )
+                        cell.samples += got
+                        cell.errors += errs
+                        cell.wall_s += wall
+                        print(f"C={c} round {r} {m.label}: {len(got)} in {wall:.1f} s", flush=True)
+    finally:
+        for a in apps:
+            a.stop()
+        for s in servers:
+            s.stop()
+    total_s = time.perf_counter() - t_all
+    rows = [cells[(m.label, c)].summary() for c in cs for m in modes if (m.label, c) in cells]
+    md = table(rows)
+    print(md)
+    meta = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "questions": len(queries),
+        "server_start_s": round(start_s, 1),
+        "total_s": round(total_s, 1),
+        "cpus": os.cpu_count(),
+        "load_avg": os.getloadavg(),
+        "machine": platform.platform(),
+        "modes": [asdict(m) for m in modes],
+    }
+    (args.out / "results.json").write_text(json.dumps({**meta, "rows": rows}, indent=2))
+    (args.out / "table.md").write_text(md + "\n")
+    print(
+        f"total {total_s:.0f} s (servers {start_s:.0f} s); wrote {args.out}/results.json, table.md"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
