@@ -131,7 +131,17 @@ def load_from_args(args: Any) -> Loaded:
     """Open ``args.bench`` at ``args.data`` with the loader keywords its flags give."""
     bench = get(args.bench)
     loader_kw = bench.loader_kw_from_args(args)
-    return Loaded(bench.name, loader_kw, bench.load(args.data, **loader_kw))
+    return Loaded(bench.name, loader_kw, checked(bench.load(args.data, **loader_kw)))
+
+
+def checked(queries: Iterable[Query]) -> Iterator[Query]:
+    """Every query of a benchmark file under the rule user text follows everywhere (no
+    chat-template control tokens: speceyes.usertext), whatever its loader checks itself."""
+    from speceyes.usertext import check_question
+
+    for q in queries:
+        check_question(q.question, q.options, f"query {q.id}: ")
+        yield q
 
 
 def image_profiles() -> dict[str, BenchImages]:
