@@ -140,6 +140,7 @@ class FunnelStats:
     judged: int = 0
     tool_free: int = 0
     accepted: int = 0
+    blank: int = 0  # judged tool-free answers that were empty or whitespace (never accepted)
     errors: int = 0
 
     @property
@@ -481,7 +482,12 @@ class Funnel:
         results = batch.results
         accepted = [i for i in batch.tool_free if gate.accept(results[i].confidence, cfg.tau)]
         batch.accepted = set(accepted)
-        self._count(tool_free=len(batch.tool_free), accepted=len(accepted))
+        blank = sum(
+            1
+            for i in batch.tool_free
+            if i in batch.answers and gate.is_blank(results[i].small_answer)
+        )
+        self._count(tool_free=len(batch.tool_free), accepted=len(accepted), blank=blank)
 
     # ---- phase IV -------------------------------------------------------------------------
     def _agent(self, batch: Batch) -> None:

@@ -72,3 +72,7 @@ def test_blank_answer_goes_to_the_agent(q25):
     for r in funnel.run(queries):
         assert r.judge_tool is False and r.small_answer.strip() == ""
         assert r.confidence == pytest.approx(0.0) and r.route == "agent_after_gate"
+    assert funnel.stats.blank == 2 and funnel.stats.accepted == 0  # counted
+    from speceyes.bench.runner import summarize
+
+    assert summarize([r.to_dict() for r in funnel.run(queries)], "jsonl")["n_blank_answers"] == 2

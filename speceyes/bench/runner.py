@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from speceyes import __version__
+from speceyes import __version__, gate
 from speceyes.bench import benchmarks, scoring
 from speceyes.bench.shards import Shard
 from speceyes.funnel import Funnel
@@ -115,6 +115,14 @@ def summarize(records: list[dict[str, Any]], bench: str) -> dict[str, Any]:
         else None,
         "n": len(records),
         "n_errors": sum(1 for r in records if r.get("error")),
+        # judged tool-free answers that were empty or whitespace: never accepted (gate.is_blank)
+        "n_blank_answers": sum(
+            1
+            for r in records
+            if r.get("judge_tool") is False
+            and r.get("small_answer") is not None
+            and gate.is_blank(r["small_answer"])
+        ),
         "beta": beta,
         "alpha_accept": alpha,
         "routes": {
