@@ -22,7 +22,6 @@ import math
 import pytest
 
 from speceyes import factory
-from speceyes.funnel import FunnelConfig
 from speceyes.miniworld import demo
 from tests.vllm_support import (
     MAX_IMAGES,
@@ -42,10 +41,8 @@ CLOSE = ("confidence", "p_tool")
 
 def funnel_over(backend):
     """The mini-world demo's funnel settings (manifest) in ``both`` mode over ``backend``."""
-    s = demo.load_settings(demo.MODELS_DIR / demo.MANIFEST)
-    config = FunnelConfig(mode="both", tau=s.tau, agg=s.agg, top_k=s.top_k, batch_size=s.batch_size)
-    agent = demo.make_agent(backend, s.agent)
-    return factory.assemble_funnel(config, backend, backend, agent)
+    s = factory.Settings.from_manifest(demo.MODELS_DIR / factory.MANIFEST)
+    return factory.build_funnel(s.with_funnel(mode="both"), backends=(backend, backend))
 
 
 def differences(ref: list, got: list) -> list[str]:
