@@ -48,3 +48,4 @@ MAX_BODY_MB_IN_FLIGHT = 256.0
 # the parser about 60 bytes, so a 32 MB body of `[],[],...` would otherwise cost 800 MB (this
 # bound: about 12 MB).
 MAX_JSON_VALUES = 200_000
+DRAIN_TIMEOUT_S = 30.0  # seconds admitted requests get to be answered after SIGTERM or Ctrl-C

@@ -83,7 +83,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     srv.add_argument(
         "--drain-timeout",
         type=float,
-        default=30.0,
+        default=limits.DRAIN_TIMEOUT_S,
         help="on SIGTERM/Ctrl-C: seconds to answer admitted requests before exiting",
     )
     add_model_args(srv)
@@ -97,9 +97,9 @@ def run(args: argparse.Namespace) -> int:
     from speceyes.factory import Settings, build_funnel
     from speceyes.serve import serve
 
-    # Fail on bad server settings before minutes of model loading.
-    if args.max_queue < 1 or args.max_wait_ms < 0 or args.request_timeout <= 0:
-        raise ValueError("need --max-queue >= 1, --max-wait-ms >= 0 and --request-timeout > 0")
+    # Fail on bad server settings before minutes of model loading (the batch size is the
+    # funnel's, known once it is built).
+    serve_settings(args, None).validate()
     if getattr(args, "ray", None) is not None:  # the same app as a Ray Serve deployment graph
         from speceyes.scale.ray_serve import run_ray_serve
 

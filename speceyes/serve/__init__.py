@@ -60,7 +60,6 @@ from speceyes.serve.app import (
 from speceyes.serve.metrics import Metrics
 from speceyes.serve.request import (
     ChatRequest,
-    ImageSize,
     RequestError,
     header_pixels,
     parse_chat_request,
@@ -75,7 +74,6 @@ __all__ = [
     "REQUEST_ID_HEADER",
     "STATE_KEY",
     "ChatRequest",
-    "ImageSize",
     "Metrics",
     "RequestError",
     "ServeSettings",

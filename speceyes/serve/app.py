@@ -64,7 +64,7 @@ class ServeSettings:
     max_option_chars: int = limits.MAX_OPTION_CHARS
     max_image_pixels: int = limits.MAX_IMAGE_PIXELS
     max_pixels_in_flight: int = limits.MAX_PIXELS_IN_FLIGHT
-    drain_timeout: float = 30.0  # seconds admitted requests get after SIGTERM or Ctrl-C
+    drain_timeout: float = limits.DRAIN_TIMEOUT_S  # after SIGTERM or Ctrl-C
     max_text_tokens: int = limits.MAX_TEXT_TOKENS  # question + options, served tokenizers
     body_timeout: float = limits.BODY_TIMEOUT_S  # seconds to send the whole body (408)
     max_body_mb_in_flight: float = limits.MAX_BODY_MB_IN_FLIGHT  # all bodies being read (429)

@@ -308,13 +308,12 @@ def image_bytes(src: str | Path) -> bytes | Path:
 
 # What the pixel budgets charge for an image is its header's ``cost`` (speceyes.images: the
 # memory its decode holds, in RGB-equivalent pixels), the rule load_image applies too.
-ImageSize = ImageHeader
 
 
-TOO_MANY_PIXELS = ImageSize(sys.maxsize, 1, "RGB")  # past PIL's own bomb limit: past ours too
+TOO_MANY_PIXELS = ImageHeader(sys.maxsize, 1, "RGB")  # past PIL's own bomb limit: past ours too
 
 
-def read_image_size(data: bytes | Path) -> ImageSize | None:
+def read_image_size(data: bytes | Path) -> ImageHeader | None:
     """Size and mode from the image header alone; None when PIL cannot read one (load_image
     then says what is wrong). Opening reads the header only: the pixels are never decoded."""
     with warnings.catch_warnings():
@@ -328,7 +327,7 @@ def read_image_size(data: bytes | Path) -> ImageSize | None:
             return None
 
 
-def check_image_size(size: ImageSize, max_cost: int) -> None:
+def check_image_size(size: ImageHeader, max_cost: int) -> None:
     """Refuse, before decoding, an image no model takes (aspect ratio past MAX_RATIO: 400) or
     one costing more than ``max_cost`` pixels to decode (413)."""
     ratio = max(size.width, size.height) / max(1, min(size.width, size.height))
