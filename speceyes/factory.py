@@ -283,7 +283,7 @@ class Settings:
             tau=cal.tau if f.tau is None else f.tau,
             top_k=cal.top_k,
             agg=cal.agg,
-            alpha=cal.alpha,
+            scale=cal.scale,
             judge_mode=cal.judge_mode or f.judge_mode,
             judge_threshold=f.judge_threshold
             if cal.judge_threshold is None

@@ -4,7 +4,7 @@ I   ``_judge``: tool-need judgment on the large model: P(tool) per query; "yes" 
     to IV.
 II  ``_speculate``: speculative answers from the small model, keeping the top-K logits of every
     token.
-III ``_gate``: the cognitive gate: accept iff sigmoid(alpha * separability) > tau.
+III ``_gate``: the cognitive gate: accept iff sigmoid(scale * separability) > tau.
 IV  ``_agent``: the agent loop on the large model for everything not accepted.
 
 Each step reads and extends one :class:`Batch` (a batch's results and the phases' verdicts),
@@ -90,7 +90,7 @@ class FunnelConfig:
     tau: float | None = None  # None: the agent's default_tau
     top_k: int = gate.DEFAULT_TOP_K
     agg: gate.Aggregation = "min"
-    alpha: float = gate.DEFAULT_ALPHA
+    scale: float = gate.DEFAULT_SCALE
     judge_mode: JudgeMode = "logit"
     judge_threshold: float = 0.5  # tool iff P(tool) >= threshold; 0.5 equals greedy yes-vs-no
     judge: str = "large"  # who answers phase I: see JUDGES and the module docstring
@@ -460,7 +460,7 @@ class Funnel:
                 list(batch.answers.values()),
                 top_k=cfg.top_k,
                 agg=cfg.agg,
-                alpha=cfg.alpha,
+                scale=cfg.scale,
             )
             per = (time.perf_counter() - t0) / len(idx)
             for i, c in zip(idx, conf, strict=True):

@@ -7,7 +7,7 @@ SpecEyes (arXiv 2603.23483): per generated token, with the top-K values z1 >= ..
 
 aggregated over the answer's tokens (``min`` by default), and
 
-    confidence = sigmoid(alpha * aggregate),   accept iff confidence > tau.
+    confidence = sigmoid(scale * aggregate),   accept iff confidence > tau.
 
 Separability is invariant to adding a constant per token, so logprobs give the same score as
 logits over the same K.
@@ -27,7 +27,7 @@ from speceyes.types import AGGREGATIONS, Aggregation  # defined with the other n
 
 EPS = 1e-6
 DEFAULT_TOP_K = 64
-DEFAULT_ALPHA = 0.6
+DEFAULT_SCALE = 0.6
 BOTTOM_RATIO = 0.2
 BLANK_CONFIDENCE = 0.0
 
@@ -61,15 +61,15 @@ def _log_max_prob(values: np.ndarray, top_k: int) -> np.ndarray:
     return -np.log(np.exp(shifted).sum(axis=-1))
 
 
-def confidence_from_aggregate(aggregate: np.ndarray | float, alpha: float = DEFAULT_ALPHA):
-    return 1.0 / (1.0 + np.exp(-alpha * np.asarray(aggregate, dtype=np.float64)))
+def confidence_from_aggregate(aggregate: np.ndarray | float, scale: float = DEFAULT_SCALE):
+    return 1.0 / (1.0 + np.exp(-scale * np.asarray(aggregate, dtype=np.float64)))
 
 
 def batch_confidence(
     answers: Sequence[np.ndarray],
     top_k: int = DEFAULT_TOP_K,
     agg: Aggregation = "min",
-    alpha: float = DEFAULT_ALPHA,
+    scale: float = DEFAULT_SCALE,
     ratio: float = BOTTOM_RATIO,
 ) -> np.ndarray:
     """Confidence of each answer in a batch of answers of different lengths.
@@ -105,7 +105,7 @@ def batch_confidence(
     # A server may return fewer than K logprobs (rows padded with -inf): such a token scores NaN
     # and its answer is never accepted; that is intended, so the float warnings are not shown.
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-        conf = _aggregate(padded, mask, lengths, top_k, agg, alpha, ratio)
+        conf = _aggregate(padded, mask, lengths, top_k, agg, scale, ratio)
     out[lengths > 0] = conf[lengths > 0]
     return out
 
@@ -116,7 +116,7 @@ def _aggregate(
     lengths: np.ndarray,
     top_k: int,
     agg: str,
-    alpha: float,
+    scale: float,
     ratio: float,
 ) -> np.ndarray:
     tmax = padded.shape[1]
@@ -137,7 +137,7 @@ def _aggregate(
             # Sorting moves NaN (a token with fewer than K logprobs) past the lowest scores;
             # such an answer must stay unscorable, as it is under min and mean.
             aggregate[np.isnan(np.where(mask, s, 0.0)).any(axis=1)] = np.nan
-        conf = confidence_from_aggregate(aggregate, alpha)
+        conf = confidence_from_aggregate(aggregate, scale)
     return conf
 
 
@@ -145,7 +145,7 @@ def answer_confidence(
     values: np.ndarray,
     top_k: int = DEFAULT_TOP_K,
     agg: Aggregation = "min",
-    alpha: float = DEFAULT_ALPHA,
+    scale: float = DEFAULT_SCALE,
 ) -> float:
     """Confidence of one answer; ``values`` is [tokens, V] of logits, or top-K logits/logprobs."""
     arr = np.asarray(values)
@@ -158,7 +158,7 @@ def answer_confidence(
             f"need at least top_k={top_k} values per token, got {arr.shape[1]}; "
             "lower top_k or log more logprobs"
         )
-    return float(batch_confidence([arr], top_k=top_k, agg=agg, alpha=alpha)[0])
+    return float(batch_confidence([arr], top_k=top_k, agg=agg, scale=scale)[0])
 
 
 def accept(confidence: float | None, tau: float) -> bool:

@@ -313,11 +313,11 @@ class EvalProtocol:
         *,
         top_k: int,
         agg: str,
-        alpha: float,
+        scale: float,
     ) -> np.ndarray:
         """The gate's confidence per answer (NaN where it has none): :meth:`answer_scores`,
         with a blank answer's set to ``gate.BLANK_CONFIDENCE`` under every protocol."""
-        scores = self.answer_scores(backend, answers, top_k=top_k, agg=agg, alpha=alpha)
+        scores = self.answer_scores(backend, answers, top_k=top_k, agg=agg, scale=scale)
         return gate.without_blank(scores, [a.text for a in answers])
 
     def answer_scores(
@@ -327,11 +327,11 @@ class EvalProtocol:
         *,
         top_k: int,
         agg: str,
-        alpha: float,
+        scale: float,
     ) -> np.ndarray:
         """The score of each answer's logits: the max-softmax over the top-K, aggregated by
         ``agg``."""
-        return gate.batch_confidence([a.topk for a in answers], top_k=top_k, agg=agg, alpha=alpha)
+        return gate.batch_confidence([a.topk for a in answers], top_k=top_k, agg=agg, scale=scale)
 
 
 class PublishedProtocol(EvalProtocol):
@@ -420,13 +420,13 @@ class PublishedProtocol(EvalProtocol):
         *,
         top_k: int,
         agg: str,
-        alpha: float,
+        scale: float,
     ) -> np.ndarray:
         """``log``: ``exp(mean log p_max)`` with p_max over the full vocabulary, as the released
         code computes it (the values are logprobs: a server's, or whole rows turned into them
         by :meth:`answers`); other aggregations as ``fair``."""
         if agg != "log":
-            return super().answer_scores(backend, answers, top_k=top_k, agg=agg, alpha=alpha)
+            return super().answer_scores(backend, answers, top_k=top_k, agg=agg, scale=scale)
         out = np.full(len(answers), np.nan)
         for j, a in enumerate(answers):
             rows = np.asarray(a.topk, dtype=np.float64)

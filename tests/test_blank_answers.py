@@ -31,7 +31,7 @@ def test_blank_answers_score_zero_under_every_protocol_and_aggregation():
     assert np.all(raw > 0.99)  # the logits alone would accept them
     for protocol in (FAIR, PUBLISHED):
         for agg in gate.AGGREGATIONS:
-            conf = protocol.confidence(None, answers, top_k=64, agg=agg, alpha=0.6)
+            conf = protocol.confidence(None, answers, top_k=64, agg=agg, scale=0.6)
             assert conf[0] == conf[1] == gate.BLANK_CONFIDENCE == 0.0, (protocol.name, agg)
             assert conf[2] > 0.9 and np.isnan(conf[3])
             assert not any(gate.accept(c, 0.0) for c in conf[[0, 1, 3]])

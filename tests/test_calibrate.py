@@ -26,12 +26,12 @@ def test_calibrate_run_and_roundtrip(run, tmp_path):
     cal = cb.calibrate(run, max_error=0.15, confidence=0.9)
     assert cal.method == "ltt-fixed-sequence-clopper-pearson" and cal.passed
     assert 0 < cal.tau < 1 and cal.bound <= 0.15
-    assert (cal.top_k, cal.agg, cal.alpha) == (16, "min", 0.6)
+    assert (cal.top_k, cal.agg, cal.scale) == (16, "min", 0.6)
     assert cal.n == int(np.sum(run.judge_tool == 0)) and cal.n_accepted > 0
     assert 0 < cal.expected_acceptance <= 1 and cal.expected_speedup > 1
     path = cf.write_calibration(cal, tmp_path / "cal" / "tau.json")
     data = json.loads(path.read_text())
-    for key in ("tau", "top_k", "agg", "alpha", "max_error", "confidence", "method", "n"):
+    for key in ("tau", "top_k", "agg", "scale", "max_error", "confidence", "method", "n"):
         assert key in data
     back = cf.read_calibration(path)
     assert back == cal
@@ -66,7 +66,21 @@ def test_read_calibration_errors(tmp_path):
         cf.read_calibration(p)
     p.write_text(json.dumps({"tau": 0.9, "top_k": 20, "agg": "log", "extra": 1}))
     cal = cf.read_calibration(p)
-    assert (cal.tau, cal.top_k, cal.agg, cal.alpha) == (0.9, 20, "log", 0.6)
+    assert (cal.tau, cal.top_k, cal.agg, cal.scale) == (0.9, 20, "log", 0.6)
+
+
+def test_old_key_alpha_still_reads_as_the_scale(tmp_path):
+    """Files and runs written before the rename call the sigmoid scale "alpha"."""
+    p = tmp_path / "c.json"
+    p.write_text(json.dumps({"tau": 0.9, "top_k": 20, "agg": "log", "alpha": 0.45}))
+    assert cf.read_calibration(p).scale == 0.45
+    p.write_text(json.dumps({"tau": 0.9, "top_k": 20, "agg": "log", "scale": 0.35}))
+    assert cf.read_calibration(p).scale == 0.35
+    old = write_synthetic_run(tmp_path / "old", 50, seed=1, scale=0.45)
+    results = json.loads((old / "results.json").read_text())
+    results["config"]["alpha"] = results["config"].pop("scale")
+    (old / "results.json").write_text(json.dumps(results))
+    assert load_run(old).scale == 0.45
 
 
 def test_calibrate_speceyes_mode_run(tmp_path):
@@ -175,12 +189,12 @@ def test_file_records_the_setup_and_eval_checks_it(tmp_path):
     from speceyes.cli import build_parser
     from speceyes.factory import Settings
 
-    d = _with_setup(write_synthetic_run(tmp_path / "r", 2000, seed=5, k_logged=16, alpha=0.5))
+    d = _with_setup(write_synthetic_run(tmp_path / "r", 2000, seed=5, k_logged=16, scale=0.5))
     cal = cb.calibrate(load_run(d), max_error=0.15)
     path = cf.write_calibration(cal, tmp_path / "cal.json")
     back = cf.read_calibration(path)
     assert back == cal and back.models == {"small": "models/small", "large": "models/large"}
-    assert (back.agent, back.judge_mode, back.judge_threshold, back.alpha) == (
+    assert (back.agent, back.judge_mode, back.judge_threshold, back.scale) == (
         "deepeyes", "decode", 0.4, 0.5,
     )  # fmt: skip
 
@@ -192,7 +206,7 @@ def test_file_records_the_setup_and_eval_checks_it(tmp_path):
         return Settings.from_args(args).resolved().funnel
 
     fc = config("models/small", "models/large/")
-    assert (fc.tau, fc.top_k, fc.agg, fc.alpha) == (cal.tau, 16, "min", 0.5)
+    assert (fc.tau, fc.top_k, fc.agg, fc.scale) == (cal.tau, 16, "min", 0.5)
     assert (fc.judge_mode, fc.judge_threshold) == ("decode", 0.4)
     with pytest.raises(ValueError, match="made for --large 'models/large', not 'other'"):
         config("models/small", "other")

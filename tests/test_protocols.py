@@ -180,13 +180,13 @@ def test_log_aggregation_over_the_full_vocabulary():
 
     be = WholeRows()
     answers = PUBLISHED.answers(be, [[]], max_new_tokens=20, top_k=20, agg="log")
-    conf = PUBLISHED.confidence(be, answers, top_k=20, agg="log", alpha=0.6)
+    conf = PUBLISHED.confidence(be, answers, top_k=20, agg="log", scale=0.6)
     assert conf[0] == pytest.approx(want, rel=1e-5)
     topk_only = gate.batch_confidence([rows], top_k=20, agg="log")[0]  # fair: top-K softmax
     assert topk_only > want * 1.1  # top-K renormalisation overstates p_max
     fair = FAIR.answers(be, [[]], max_new_tokens=20, top_k=20, agg="log")
     assert fair[0].topk.shape == (5, 20)  # fair asks for the top-K only
-    assert FAIR.confidence(be, fair, top_k=20, agg="log", alpha=0.6)[0] == pytest.approx(topk_only)
+    assert FAIR.confidence(be, fair, top_k=20, agg="log", scale=0.6)[0] == pytest.approx(topk_only)
 
     class Logprobs(WholeRows):  # a server's top logprobs: taken as they come
         scores = "logprobs"
@@ -195,7 +195,7 @@ def test_log_aggregation_over_the_full_vocabulary():
     served = PUBLISHED.answers(be, [[]], max_new_tokens=20, top_k=20, agg="log")
     assert served[0].topk.shape == (5, 20)
     served[0].topk = logp
-    assert PUBLISHED.confidence(be, served, top_k=20, agg="log", alpha=0.6)[0] == pytest.approx(
+    assert PUBLISHED.confidence(be, served, top_k=20, agg="log", scale=0.6)[0] == pytest.approx(
         want, rel=1e-5
     )
 

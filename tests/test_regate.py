@@ -60,7 +60,7 @@ def _sample(i, judge_tool, z1, small_ok, agent_ok, timings, category="a", **extr
 def test_load_views(both_run):
     run = both_run
     assert run.n == 400 and run.mode == "both" and run.k_logged == 24
-    assert (run.tau, run.top_k, run.agg, run.alpha) == (0.98, 16, "min", 0.6)
+    assert (run.tau, run.top_k, run.agg, run.scale) == (0.98, 16, "min", 0.6)
     assert run.has_small.all() and run.has_agent.all() and not run.is_error.any()
     assert set(run.categories) == {"direct_attributes", "relative_position"}
     assert set(np.unique(run.judge_tool)) <= {0.0, 1.0}

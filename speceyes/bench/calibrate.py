@@ -81,7 +81,7 @@ def calibrate(
     *,
     top_k: int | Sequence[int] | None = None,
     agg: str | Sequence[str] | None = None,
-    alpha: float | None = None,
+    scale: float | None = None,
     taus: Sequence[float] | np.ndarray | None = None,
     min_relative_accuracy: float | None = None,
     n_grid: int = 200,
@@ -108,13 +108,13 @@ def calibrate(
         _check_holdout(run, holdout)
     ks = _as_list(top_k)
     aggs = _as_list(agg)
-    configs = [rg.resolve_gate(calib_run, k, a, alpha) for k in ks for a in aggs]
+    configs = [rg.resolve_gate(calib_run, k, a, scale) for k in ks for a in aggs]
     delta = 1.0 - confidence
     family_delta = delta / len(configs)
     note = ""
     members: list[FamilyMember] = []
     for g in configs:
-        conf = rg.confidences(calib_run, g.top_k, g.agg, g.alpha)
+        conf = rg.confidences(calib_run, g.top_k, g.agg, g.scale)
         if min_relative_accuracy is not None:
             rg.check_replayable(calib_run)
             res = ltt_relative_accuracy(
@@ -142,7 +142,7 @@ def calibrate(
             )
         members.append(FamilyMember(g.top_k, g.agg, res))
     chosen = members[max(choose_in_family([m.result for m in members]), 0)]
-    g = rg.GateSetting(chosen.top_k, chosen.agg, configs[0].alpha)
+    g = rg.GateSetting(chosen.top_k, chosen.agg, configs[0].scale)
     res = chosen.result
     if min_relative_accuracy is not None:
         method, max_err, needed = METHOD_RELATIVE, None, None
@@ -161,7 +161,7 @@ def calibrate(
         tau=res.tau,
         top_k=g.top_k,
         agg=g.agg,
-        alpha=g.alpha,
+        scale=g.scale,
         max_error=max_err,
         confidence=confidence,
         method=method,
@@ -242,7 +242,7 @@ def _check_holdout(run: Run, holdout: Run) -> None:
 
 def held_out_metrics(run: Run, tau: float, g: rg.GateSetting) -> dict[str, Any]:
     """Accuracy, error among accepted answers and speedup at tau on queries not used to pick it."""
-    conf = rg.confidences(run, g.top_k, g.agg, g.alpha)
+    conf = rg.confidences(run, g.top_k, g.agg, g.scale)
     eligible, _ = _gate_population(run)
     accepted = eligible & (np.nan_to_num(conf, nan=-np.inf) > tau)
     wrong = ~rg.known_correct(run.small_correct)
@@ -254,7 +254,7 @@ def held_out_metrics(run: Run, tau: float, g: rg.GateSetting) -> dict[str, Any]:
         "acceptance": float(n_acc / eligible.sum()) if eligible.any() else None,
     }
     try:
-        row = rg.regate(run, [tau], g.top_k, g.agg, g.alpha)[0]
+        row = rg.regate(run, [tau], g.top_k, g.agg, g.scale)[0]
     except ValueError:  # not a both run: no agent answers to replay accuracy with
         return out
     out |= {
@@ -288,7 +288,7 @@ def _needed_n(
     wrong = ~rg.known_correct(run.small_correct[eligible])
     scans = []
     for g in configs:
-        conf = rg.confidences(run, g.top_k, g.agg, g.alpha)[eligible]
+        conf = rg.confidences(run, g.top_k, g.agg, g.scale)[eligible]
         m, sums = rg.sums_above(conf, wrong.astype(float)[:, None], candidate_taus(conf))
         scans.append((np.asarray(m, float), (sums[:, 0] + 1.0) / (np.asarray(m, float) + 1.0)))
 
@@ -330,9 +330,9 @@ def _gate_population(run: Run) -> tuple[np.ndarray, str]:
 def _expectations(run: Run, tau: float, g: rg.GateSetting):
     """(acceptance, small share, speedup) at tau on the calibration run, where data allows."""
     try:
-        beta, alphas = rg.acceptance(run, [tau], g.top_k, g.agg, g.alpha)
+        beta, alphas = rg.acceptance(run, [tau], g.top_k, g.agg, g.scale)
     except ValueError:
-        conf = rg.confidences(run, g.top_k, g.agg, g.alpha)
+        conf = rg.confidences(run, g.top_k, g.agg, g.scale)
         pool = conf[run.has_small]
         acc = float(np.mean(pool > tau)) if pool.size else None
         return acc, None, None
@@ -341,7 +341,7 @@ def _expectations(run: Run, tau: float, g: rg.GateSetting):
         rg.check_replayable(run)
     except ValueError:
         return acc, float(beta * acc), _analytic_speedup(run, beta, acc)
-    row = rg.regate(run, [tau], g.top_k, g.agg, g.alpha)[0]
+    row = rg.regate(run, [tau], g.top_k, g.agg, g.scale)[0]
     return acc, row.small_share, row.speedup
 
 
@@ -374,7 +374,7 @@ def format_calibration(cal: Calibration) -> str:
         )
     if cal.passed:
         lines.append(
-            f"tau = {cal.tau:.6f}  K={cal.top_k} agg={cal.agg} sigmoid scale={cal.alpha:g}; "
+            f"tau = {cal.tau:.6f}  K={cal.top_k} agg={cal.agg} sigmoid scale={cal.scale:g}; "
             f"bound {cal.bound:.4f} on {cal.n_accepted} accepted ({cal.method})"
         )
         lines.append(

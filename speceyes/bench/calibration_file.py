@@ -31,7 +31,7 @@ class Calibration:
     tau: float
     top_k: int
     agg: str
-    alpha: float  # the gate's sigmoid scale
+    scale: float  # the gate's sigmoid scale
     max_error: float | None
     confidence: float  # C: the guarantee holds with probability >= C
     method: str
@@ -187,7 +187,8 @@ def read_calibration(path: str | Path) -> Calibration:
     known = set(Calibration.__dataclass_fields__)
     values = {k: v for k, v in data.items() if k in known}
     values.update(tau=tau, top_k=top_k, agg=agg, judge=judge)
-    values["alpha"] = float(values.get("alpha") or gate.DEFAULT_ALPHA)
+    # Files written before the rename call the sigmoid scale "alpha".
+    values["scale"] = float(data.get("scale", data.get("alpha")) or gate.DEFAULT_SCALE)
     if values.get("judge_threshold") is not None:
         values["judge_threshold"] = float(values["judge_threshold"])
     values.setdefault("max_error", None)

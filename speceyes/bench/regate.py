@@ -56,14 +56,14 @@ class RegateRow:
     time_per_query: float = float("nan")  # replayed seconds per query
     analytic_time_per_query: float = float("nan")  # c_J + beta*c_S + (1 - beta*alpha)*L_agent
     analytic_speedup: float = float("nan")  # L_agent / analytic time
-    sigmoid_alpha: float = gate.DEFAULT_ALPHA  # the gate's sigmoid scale
+    scale: float = gate.DEFAULT_SCALE  # the gate's sigmoid scale
 
 
 @dataclass(frozen=True)
 class GateSetting:
     top_k: int
     agg: str
-    alpha: float
+    scale: float
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ class Replay:
 
 
 def resolve_gate(
-    run: Run, top_k: int | None = None, agg: str | None = None, alpha: float | None = None
+    run: Run, top_k: int | None = None, agg: str | None = None, scale: float | None = None
 ) -> GateSetting:
     """The gate setting to replay: explicit values, else the run's own."""
     k = run.top_k if top_k is None else int(top_k)
@@ -101,21 +101,21 @@ def resolve_gate(
             f"top_k={k} is larger than the {run.k_logged} logits logged per token in {run.path}; "
             f"re-gate with top_k <= {run.k_logged} or re-run eval logging more"
         )
-    return GateSetting(k, a, run.alpha if alpha is None else float(alpha))
+    return GateSetting(k, a, run.scale if scale is None else float(scale))
 
 
 def confidences(
-    run: Run, top_k: int | None = None, agg: str | None = None, alpha: float | None = None
+    run: Run, top_k: int | None = None, agg: str | None = None, scale: float | None = None
 ) -> np.ndarray:
     """Confidence of every sample's small answer (NaN where none), cached per gate setting."""
-    g = resolve_gate(run, top_k, agg, alpha)
-    key = ("confidence", g.top_k, g.agg, g.alpha)
+    g = resolve_gate(run, top_k, agg, scale)
+    key = ("confidence", g.top_k, g.agg, g.scale)
     if key not in run._cache:
         out = np.full(run.n, np.nan)
         idx = np.flatnonzero(run.has_small)
         if idx.size:
             answers = [run.small_topk[i] for i in idx]
-            out[idx] = gate.batch_confidence(answers, top_k=g.top_k, agg=g.agg, alpha=g.alpha)  # type: ignore[arg-type]
+            out[idx] = gate.batch_confidence(answers, top_k=g.top_k, agg=g.agg, scale=g.scale)  # type: ignore[arg-type]
         run._cache[key] = out
     return run._cache[key]
 
@@ -160,11 +160,11 @@ def replay(
     tau: float,
     top_k: int | None = None,
     agg: str | None = None,
-    alpha: float | None = None,
+    scale: float | None = None,
 ) -> Replay:
     """Per-query routes and correctness at one tau, decided by ``gate.accept``."""
     check_replayable(run)
-    conf = confidences(run, top_k, agg, alpha)
+    conf = confidences(run, top_k, agg, scale)
     tool_free = run.judge_tool == 0
     gate_ok = np.array([gate.accept(float(c), tau) for c in conf], dtype=bool)
     accepted = tool_free & gate_ok
@@ -185,13 +185,13 @@ def regate(
     taus: Iterable[float],
     top_k: int | None = None,
     agg: str | None = None,
-    alpha: float | None = None,
+    scale: float | None = None,
 ) -> list[RegateRow]:
-    """Replay the funnel at every tau (vectorised). ``alpha`` is the sigmoid scale (default: run's)."""
+    """Replay the funnel at every tau (vectorised). ``scale`` is the sigmoid scale (default: run's)."""
     check_replayable(run)
-    g = resolve_gate(run, top_k, agg, alpha)
+    g = resolve_gate(run, top_k, agg, scale)
     taus_arr = _as_taus(taus)
-    conf = confidences(run, g.top_k, g.agg, g.alpha)
+    conf = confidences(run, g.top_k, g.agg, g.scale)
     tool_free = run.judge_tool == 0
     sc, ac = known_correct(run.small_correct), known_correct(run.agent_correct)
     t = phase_times(run)
@@ -234,7 +234,7 @@ def regate(
             time_per_query=float(cost[j] / n),
             analytic_time_per_query=float(analytic[j]),
             analytic_speedup=float(analytic_speedup[j]),
-            sigmoid_alpha=g.alpha,
+            scale=g.scale,
         )
         for j, tau in enumerate(taus_arr)
     ]
@@ -277,7 +277,7 @@ def acceptance(
     taus: Iterable[float],
     top_k: int | None = None,
     agg: str | None = None,
-    alpha: float | None = None,
+    scale: float | None = None,
 ) -> tuple[float, np.ndarray]:
     """(beta, alpha per tau) from judge decisions and small confidences only (no agent needed).
 
@@ -289,7 +289,7 @@ def acceptance(
     if not known.any():
         raise ValueError(f"{run.path}: no judge decisions logged (mode {run.mode!r})")
     n_tf = int(tool_free.sum())
-    conf = confidences(run, top_k, agg, alpha)
+    conf = confidences(run, top_k, agg, scale)
     m, _ = sums_above(conf[tool_free], np.zeros((n_tf, 1)), taus_arr)
     alpha_acc = m / n_tf if n_tf else np.full(len(taus_arr), np.nan)
     return n_tf / int(known.sum()), alpha_acc

@@ -93,10 +93,10 @@ class Run:
         return str(self.config.get("agg") or "min")
 
     @property
-    def alpha(self) -> float:
-        """The gate's sigmoid scale (config "alpha"), not the acceptance rate."""
-        alpha = self.config.get("alpha")
-        return gate.DEFAULT_ALPHA if alpha is None else float(alpha)
+    def scale(self) -> float:
+        """The gate's sigmoid scale (config "scale"; runs before the rename wrote "alpha")."""
+        scale = self.config.get("scale", self.config.get("alpha"))
+        return gate.DEFAULT_SCALE if scale is None else float(scale)
 
     @property
     def category_names(self) -> list[str]:

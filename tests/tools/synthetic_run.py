@@ -24,7 +24,7 @@ def write_synthetic_run(
     tau: float = 0.98,
     top_k: int | None = None,
     agg: str = "min",
-    alpha: float = gate.DEFAULT_ALPHA,
+    scale: float = gate.DEFAULT_SCALE,
     categories: tuple[str, ...] = ("direct_attributes", "relative_position"),
     p_tool: float = 0.2,
     agent_accuracy: float = 0.85,
@@ -44,7 +44,7 @@ def write_synthetic_run(
         _synthetic_topk(rng, int(t), k_logged, float(m))
         for t, m in zip(lengths, margin, strict=True)
     ]
-    conf = gate.batch_confidence(topk, top_k=k_run, agg=agg, alpha=alpha)  # type: ignore[arg-type]
+    conf = gate.batch_confidence(topk, top_k=k_run, agg=agg, scale=scale)  # type: ignore[arg-type]
     small_ok = rng.random(n) < 1.0 / (1.0 + np.exp(-(margin - 3.0)))
     agent_ok = rng.random(n) < agent_accuracy
     judge = rng.random(n) < p_tool
@@ -73,7 +73,7 @@ def write_synthetic_run(
     path.mkdir(parents=True, exist_ok=True)
     RunDir(path).rewrite(samples)
     config = {"bench": "synthetic", "mode": mode, "tau": tau, "top_k": k_run, "agg": agg}
-    config["alpha"] = alpha
+    config["scale"] = scale
     results = _synthetic_results(samples, config, wall_time)
     RunDir(path).write_results(results)
     return path
