@@ -35,7 +35,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     sim.add_argument(
         "--judge", default="large",
         help="ours' judge variants, comma-separated: large (published), prefix, small, "
-        "small-prefix, none",
+        "small-prefix, none, or auto (picks per C among the operating points by expected "
+        "throughput; see --points)",
+    )
+    sim.add_argument(
+        "--points", default=None, metavar="JSON",
+        help="operating points (judge variant, tau, beta, alpha, alpha_tool each), as "
+        "`speceyes calibrate --operating-points` writes them: every static variant runs at its "
+        "point's rates and auto picks among them (default: every variant at --beta/--alpha, "
+        "none also at --alpha-tool)",
     )
     sim.add_argument(
         "--judge-max-pixels", type=int, default=None,
@@ -73,10 +81,16 @@ def run(args: argparse.Namespace) -> int:
     cs = [int(c) for c in args.concurrency.split(",") if c.strip()]
     schedules = [s.strip() for s in args.schedules.split(",") if s.strip()]
     judges = [j.strip() for j in args.judge.split(",") if j.strip()]
+    points = None
+    if args.points:
+        from speceyes.operating_points import read_points
+
+        points = read_points(args.points)
     rows = sm.simulate(
         costs, schedules, cs, args.queries, args.beta, args.alpha, args.seed, args.published_batch,
         judges=judges,
         alpha_tool=sm.DEFAULT_ALPHA_TOOL if args.alpha_tool is None else args.alpha_tool,
+        points=points,
     )
     print(sm.format_table(rows))
     note = ", ".join(

@@ -12,6 +12,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from speceyes.funnel import JUDGES  # the same variants the funnel runs
+from speceyes.operating_points import AUTO, OperatingPoint
+from speceyes.simulate.auto import choose_point
 from speceyes.simulate.costs import (
     LARGE,
     SMALL,
@@ -423,6 +425,7 @@ class Row:
     gpus: int = 1
     per_gpu_vs_agent_only: float = math.nan  # (throughput / gpus) / agent-only throughput
     vs_agent_only_2gpu: float = math.nan  # throughput / agent-only on two GPUs (data parallel)
+    skipped: float = math.nan  # expected share that never reaches the agent (the ideal's)
 
 
 def simulate(
@@ -436,10 +439,16 @@ def simulate(
     published_batch: int | None = None,
     judges: Sequence[str] = ("large",),
     alpha_tool: float = DEFAULT_ALPHA_TOOL,
+    points: Sequence[OperatingPoint] | None = None,
 ) -> list[Row]:
     """Every schedule at every concurrency (ours once per judge variant), plus an ``ideal`` row
     per C when agent-only is run. The same seeded draws serve every run, so differences come
-    from the schedule alone."""
+    from the schedule alone.
+
+    ``points``: operating points (each judge variant with its own rates, e.g. from
+    ``speceyes calibrate --operating-points``); a static variant then runs at its point's rates,
+    and ``auto`` picks among them per C (:func:`speceyes.simulate.auto.choose_point`). Without
+    them every variant shares ``beta``, ``alpha`` and, for ``none``, ``alpha_tool``."""
     costs = costs or CostModel()
     costs.validate()
     if n_queries < 1:
@@ -447,12 +456,29 @@ def simulate(
     unknown = [s for s in schedules if s not in SCHEDULES]
     if unknown:
         raise ValueError(f"unknown schedule {unknown[0]!r}; choose from {', '.join(SCHEDULES)}")
-    bad = [j for j in judges if j not in JUDGES]
+    bad = [j for j in judges if j not in (*JUDGES, AUTO)]
     if bad or not judges:
-        raise ValueError(f"unknown judge {bad[0] if bad else ''!r}; choose from {', '.join(JUDGES)}")
+        choices = ", ".join((*JUDGES, AUTO))
+        raise ValueError(f"unknown judge {bad[0] if bad else ''!r}; choose from {choices}")
+    if points is None:
+        points = [OperatingPoint(j, None, beta, alpha, alpha_tool if j == "none" else 0.0)
+                  for j in JUDGES]
+    point_of = {}
+    for p in points:
+        point_of.setdefault(p.judge, p)  # a static variant runs at its first point
+    missing = [j for j in judges if j != AUTO and j not in point_of]
+    if missing:
+        raise ValueError(f"judge {missing[0]!r} has no operating point in the points given")
+    draws: dict[tuple[float, float, float], Draws] = {}
+
+    def draws_of(p: OperatingPoint) -> Draws:  # one seed: the same uniforms for every point
+        key = (p.beta, p.alpha, p.alpha_tool)
+        if key not in draws:
+            draws[key] = draw(costs, n_queries, p.beta, p.alpha, seed, p.alpha_tool)
+        return draws[key]
+
     d = draw(costs, n_queries, beta, alpha, seed, alpha_tool)
     gain = analytic(costs, beta, alpha).ideal_gain
-    gain_no_judge = ideal_gain(beta * alpha + (1 - beta) * alpha_tool)
     pair = 1 if costs.shared_gpu else 2  # GPUs of the two-model schedules
     runs: list[tuple[str, str]] = []
     for s in sorted(dict.fromkeys(schedules), key=SCHEDULES.index):
@@ -461,7 +487,18 @@ def simulate(
     for c in concurrencies:
         here: list[Row] = []
         for s, j in runs:
-            r = simulate_one(s, costs, d, int(c), published_batch, j if j != "-" else "large")
+            point = None
+            if j != "-":
+                point = choose_point(costs, points, int(c)) if j == AUTO else point_of[j]
+                run_costs = costs if point.judge_max_pixels is None else replace(
+                    costs, judge_max_pixels=point.judge_max_pixels
+                )
+                r = simulate_one(s, run_costs, draws_of(point), int(c), published_batch,
+                                 point.judge)
+                if j == AUTO:
+                    r.judge = f"{AUTO}:{point.name}"
+            else:
+                r = simulate_one(s, costs, d, int(c), published_batch, "large")
             lat = r.latencies
             thr = n_queries / r.makespan if r.makespan > 0 else math.inf
             gpus = {"agent-only": 1, "agent-only-2gpu": 2}.get(s, pair)
@@ -475,6 +512,7 @@ def simulate(
                     large_util=r.engines["large"]["utilisation"],
                     small_util=r.engines["small"]["utilisation"],
                     vs_agent_only=math.nan, of_ideal=math.nan, judge=r.judge, gpus=gpus,
+                    skipped=point.skipped if point is not None else beta * alpha,
                 )
             )
         base = next((r.throughput for r in here if r.schedule == "agent-only"), None)
@@ -482,7 +520,7 @@ def simulate(
         for row in here:
             if base is not None:
                 row.vs_agent_only = row.throughput / base
-                ideal = base * (gain_no_judge if row.judge == "none" else gain)
+                ideal = base * ideal_gain(row.skipped)
                 row.of_ideal = row.throughput / ideal
                 row.per_gpu_vs_agent_only = row.throughput / row.gpus / base
             if base2 is not None:

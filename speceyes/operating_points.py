@@ -1,0 +1,176 @@
+"""Operating points of phase I and the load-aware choice among them (``--judge auto``).
+
+An operating point is one judge variant (:data:`speceyes.types.JUDGES`) with its own calibrated
+threshold and the rates measured at it: beta (the share it calls tool-free) and alpha (the
+share of those the gate accepts; without a judge also ``alpha_tool``, the share accepted among
+the queries a judge would have sent to tools). Each point carries its own tau, so the error
+guarantee printed for it holds whichever point answers a query.
+
+Which point costs least depends on load. At low load a query's latency decides: the published
+judge runs beside the small answer and sends tool queries to the agent at once. At high load
+the engines' work per query decides: the judge's full-image prefill is large-model time that
+batching does not amortise, and skipping it can serve more queries. :func:`expected_throughput`
+puts both in one number: with N queries in flight, throughput is at most ``N / R0`` (R0: one
+query's time alone) and at most ``1 / D`` (D: the busiest device's seconds of work per query),
+the asymptotic bounds of operational analysis (Denning and Buzen, ACM Computing Surveys 10(3),
+1978); mean value analysis of the engines as queueing devices gives the curve between them.
+:func:`choose` takes the point with the highest estimate; the simulator and the funnel share it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from speceyes.types import JUDGES
+
+AUTO = "auto"  # the judge setting that picks among operating points by load
+
+
+@dataclass(frozen=True)
+class OperatingPoint:
+    judge: str  # a JUDGES variant
+    tau: float | None = None  # its own threshold; None: the funnel's
+    beta: float = 1.0  # share judged tool-free ("none": every query)
+    alpha: float = 0.0  # gate acceptance among the judged tool-free, at tau
+    alpha_tool: float = 0.0  # "none": acceptance among the queries a judge sends to tools
+    judge_max_pixels: int | None = None  # a judge view budget ("large" and "small")
+
+    def __post_init__(self) -> None:
+        if self.judge not in JUDGES:
+            raise ValueError(f"unknown judge {self.judge!r}; choose from {', '.join(JUDGES)}")
+        for name in ("beta", "alpha", "alpha_tool"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {value}")
+        if self.tau is not None and not 0.0 <= self.tau <= 1.0:
+            raise ValueError(f"tau must be in [0, 1], got {self.tau}")
+
+    @property
+    def skipped(self) -> float:
+        """Expected share of queries answered without the agent loop."""
+        if self.judge == "none":
+            return self.beta * self.alpha + (1.0 - self.beta) * self.alpha_tool
+        return self.beta * self.alpha
+
+    @property
+    def name(self) -> str:
+        return self.judge if self.judge_max_pixels is None else (
+            f"{self.judge}@{self.judge_max_pixels}px"
+        )
+
+
+@dataclass(frozen=True)
+class PointCosts:
+    """Seconds per query of one operating point, split by where they are spent."""
+
+    front_latency: float  # phases I-III alone (batch 1), on the query's critical path
+    large_front: float  # large-model seconds of phase I per query, under load
+    small_front: float  # small-model seconds of phases I-II per query, under load
+    agent_latency: float  # one agent loop alone (batch 1)
+    agent_demand: float  # large-model seconds of one agent loop, under load
+    agent_saved: float = 0.0  # agent seconds a prefix-shared judge saves (its cached prefill)
+
+
+def _estimate(
+    point: OperatingPoint, costs: PointCosts, in_flight: int, shared_device: bool
+) -> tuple[float, float, float]:
+    """(expected throughput, seconds of device work per query, R0) of one point."""
+    if in_flight < 1:
+        raise ValueError("in_flight must be >= 1")
+    to_agent = 1.0 - point.skipped
+    r0 = costs.front_latency + to_agent * (costs.agent_latency - costs.agent_saved)
+    d_large = costs.large_front + to_agent * (costs.agent_demand - costs.agent_saved)
+    demands = [d_large + costs.small_front] if shared_device else [d_large, costs.small_front]
+    # What R0 spends beyond the devices' amortised work (batch-1 decode steps that a full
+    # batch would share, tool calls on the CPU) is a delay that does not queue.
+    delay = max(0.0, r0 - sum(demands))
+    return _mva(demands, delay, in_flight), d_large + costs.small_front, r0
+
+
+def _mva(demands: Sequence[float], delay: float, customers: int) -> float:
+    """Throughput of a closed network of queueing devices plus a delay, by exact mean value
+    analysis (Reiser and Lavenberg, "Mean-Value Analysis of Closed Multichain Queuing
+    Networks", JACM 27(2), 1980). It lies under both asymptotic bounds, N / R0 and 1 / D_max,
+    and bends between them as queues form: written out because it is ten lines and no
+    maintained package offers it without a modelling framework."""
+    queue = [0.0] * len(demands)
+    x = 0.0
+    for n in range(1, customers + 1):
+        resid = [d * (1.0 + q) for d, q in zip(demands, queue, strict=True)]
+        total = delay + sum(resid)
+        x = n / total if total > 0 else math.inf
+        queue = [x * r for r in resid]
+    return x
+
+
+def expected_throughput(
+    point: OperatingPoint, costs: PointCosts, in_flight: int, shared_device: bool
+) -> float:
+    """Queries per second the point is expected to serve with ``in_flight`` queries in the
+    system: mean value analysis of the engines as queueing devices (under the latency bound
+    ``N / R0`` and the bottleneck bound ``1 / D``)."""
+    return _estimate(point, costs, in_flight, shared_device)[0]
+
+
+# Bounds this close count as equal: the next criteria decide.
+TIE = 1e-3
+
+
+def choose(
+    points: Sequence[OperatingPoint],
+    costs_of: Callable[[OperatingPoint, int], PointCosts],
+    in_flight: int,
+    shared_device: bool,
+) -> OperatingPoint:
+    """The point with the highest expected throughput at this load. Between points whose bounds
+    tie (the same device limits both), the one with less work over all devices wins, since
+    real queues feel every device's load, then the one with the shorter R0, then the earlier
+    point in ``points``."""
+    if not points:
+        raise ValueError("no operating points to choose from")
+    scored = [(_estimate(p, costs_of(p, in_flight), in_flight, shared_device), i, p)
+              for i, p in enumerate(points)]
+    best_x = max(b[0] for b, _, _ in scored)
+    tied = [(b[1], b[2], i, p) for b, i, p in scored if b[0] >= best_x * (1 - TIE)]
+    return min(tied, key=lambda t: t[:3])[3]
+
+
+# --- files -----------------------------------------------------------------------------------
+
+
+def read_points(path: str | Path) -> list[OperatingPoint]:
+    """Operating points from JSON: a list of point objects, or ``{"points": [...]}`` (the file
+    ``speceyes calibrate --operating-points`` writes)."""
+    p = Path(path)
+    try:
+        data: Any = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{p}: not valid JSON ({e})") from e
+    items = data.get("points") if isinstance(data, dict) else data
+    if not isinstance(items, list) or not items:
+        raise ValueError(f"{p}: expected a non-empty list of operating points")
+    known = set(OperatingPoint.__dataclass_fields__)
+    out = []
+    for i, item in enumerate(items):
+        if not isinstance(item, dict) or "judge" not in item:
+            raise ValueError(f"{p}: point {i} must be an object with a 'judge'")
+        extra = sorted(set(item) - known - {"note", "max_error", "confidence", "n"})
+        if extra:
+            raise ValueError(f"{p}: point {i} has unknown keys: {', '.join(extra)}")
+        try:
+            out.append(OperatingPoint(**{k: v for k, v in item.items() if k in known}))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{p}: point {i}: {e}") from e
+    return out
+
+
+def write_points(path: str | Path, points: Sequence[OperatingPoint], **extra: Any) -> Path:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps({"points": [asdict(x) for x in points], **extra}, indent=2) + "\n")
+    return p
