@@ -157,7 +157,7 @@ def test_keeps_the_cheapest_certified_vector():
     ch = cc.certify_cascade(log, E, DELTA, n_grid=GRID)
     assert ch.passed and ch.valid > 1
     idx = cr.accepted_stage(log, cr.tau_matrix(log.stages, ch.taus))
-    assert cost(idx)[0] == pytest.approx(ch.cost)
+    assert cost(idx, cr.tau_matrix(log.stages, ch.taus))[0] == pytest.approx(ch.cost)
     # Each path's own last certified vector is no cheaper than the one kept.
     for w in cc.default_directions(len(log.stages)):
         alone = cc.certify_cascade(log, E, DELTA / 5, directions=w[None, :], n_grid=GRID)

@@ -138,7 +138,7 @@ def _fixed_sequence(
             {s: NO_TAU for s in log.stages}, False, FIXED_SEQUENCE, delta, log.n, tested=tested
         )
     taus_all, idx_all = np.vstack(valid_taus), np.hstack(valid_idx)
-    costs = cost_fn(idx_all)
+    costs = cost_fn(idx_all, taus_all)
     m, k = cr.accepted_wrong(log, idx_all)
     best = int(np.lexsort((-m, costs))[0])  # cheapest; ties: the one accepting most
     return CascadeChoice(
@@ -216,7 +216,7 @@ def _bonferroni(
         n_accepted=int(m[0]),
         errors=int(k[0]),
         bound=max((d["bound"] for d in details if d["passed"]), default=math.nan),
-        cost=float(cost_fn(idx)[0]),
+        cost=float(cost_fn(idx, taus[None, :])[0]),
         valid=int(passed),
         tested=tested,
         stage_results=details,
@@ -422,10 +422,10 @@ def _category_cost(run: Run, log: cr.CascadeLog, rows: np.ndarray) -> cr.CostFn:
     agent), so the agent phase keeps the run's own schedule."""
     full_cost, _ = cr.run_cost(run, log)
 
-    def cost(stage_idx: np.ndarray) -> np.ndarray:
+    def cost(stage_idx: np.ndarray, taus: np.ndarray) -> np.ndarray:
         whole = np.full((log.n, stage_idx.shape[1]), -1, dtype=np.int64)
         whole[rows] = stage_idx
-        return full_cost(whole)
+        return full_cost(whole, taus)
 
     return cost
 

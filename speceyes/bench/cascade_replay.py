@@ -34,6 +34,7 @@ import numpy as np
 
 from speceyes.bench import occupancy
 from speceyes.bench import regate as rg
+from speceyes.bench.ltt import NO_TAU
 from speceyes.bench.runlog import Run
 
 SMALL0 = "small@0"
@@ -41,7 +42,8 @@ LARGE_DIRECT = "large_direct"
 AGENT = "agent"  # the route of a query no stage accepted
 _SMALL_DEPTH = re.compile(r"^small@(\d+)$")
 
-CostFn = Callable[[np.ndarray], np.ndarray]  # accepted stage (n, T) -> seconds per setting (T,)
+# (accepted stage (n, T), thresholds (T, S)) -> seconds per setting (T,)
+CostFn = Callable[[np.ndarray, np.ndarray], np.ndarray]
 
 
 def stage_sort_key(name: str) -> tuple[int, int]:
@@ -182,22 +184,33 @@ def tau_matrix(stages: Sequence[str], taus: Mapping[str, float] | np.ndarray) ->
     return arr
 
 
+def _settings(taus: np.ndarray) -> np.ndarray:
+    """Thresholds as (1 or n, T, S): (T, S) is one row per setting for every query; (n, T, S)
+    thresholds that differ per query (per category)."""
+    taus = np.asarray(taus, dtype=np.float64)
+    return taus if taus.ndim == 3 else np.atleast_2d(taus)[None]
+
+
 def accepted_stage(log: CascadeLog, taus: np.ndarray) -> np.ndarray:
-    """(n, T) index of the stage that accepts each query at each threshold row, -1: the agent."""
-    taus = np.atleast_2d(taus)
+    """(n, T) index of the stage that accepts each query at each setting, -1: the agent.
+    ``taus`` is (T, S), or (n, T, S) (``_settings``)."""
+    th = _settings(taus)
     conf = np.nan_to_num(log.conf, nan=-np.inf)  # NaN never passes (gate.accept)
-    out = np.full((log.n, taus.shape[0]), -1, dtype=np.int64)
+    out = np.full((log.n, th.shape[1]), -1, dtype=np.int64)
     for j in range(len(log.stages)):
-        passes = log.eligible[:, j : j + 1] & (conf[:, j : j + 1] > taus[None, :, j])
+        passes = log.eligible[:, j : j + 1] & (conf[:, j : j + 1] > th[:, :, j])
         out = np.where((out < 0) & passes, j, out)
     return out
 
 
-def visited(log: CascadeLog, stage_idx: np.ndarray) -> np.ndarray:
-    """(n, S, T) bool: the stage ran for the query (eligible and no earlier stage accepted)."""
+def visited(log: CascadeLog, stage_idx: np.ndarray, taus: np.ndarray) -> np.ndarray:
+    """(n, S, T) bool: the stage ran for the query: it is in the cascade (a threshold below
+    NO_TAU; one at NO_TAU accepts nothing, so the cascade skips it), the query is eligible and
+    no earlier stage accepted it. ``taus`` as for ``accepted_stage``."""
     s = np.arange(len(log.stages))[None, :, None]
     not_yet = (stage_idx[:, None, :] < 0) | (stage_idx[:, None, :] >= s)
-    return log.eligible[:, :, None] & not_yet
+    runs = np.swapaxes(_settings(taus) < NO_TAU, 1, 2)  # (1 or n, S, T)
+    return log.eligible[:, :, None] & not_yet & runs
 
 
 def accepted_wrong(log: CascadeLog, stage_idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -212,8 +225,8 @@ def gpu_time_cost(log: CascadeLog) -> CostFn:
     """Cost of a routing with agent seconds summed over the loops kept (the GPU-time model)."""
     agent = np.where(np.isnan(log.agent_seconds), np.nanmean(log.agent_seconds), log.agent_seconds)
 
-    def cost(stage_idx: np.ndarray) -> np.ndarray:
-        stage_s = np.einsum("nst,ns->t", visited(log, stage_idx), log.seconds)
+    def cost(stage_idx: np.ndarray, taus: np.ndarray) -> np.ndarray:
+        stage_s = np.einsum("nst,ns->t", visited(log, stage_idx, taus), log.seconds)
         return log.judge_seconds.sum() + stage_s + agent @ (stage_idx < 0)
 
     return cost
@@ -223,8 +236,8 @@ def run_cost(run: Run, log: CascadeLog) -> tuple[CostFn, float]:
     """(cost of a routing, agent-only cost) under regate's timing model for this run."""
     step = rg.speedup_model(run)
 
-    def cost(stage_idx: np.ndarray) -> np.ndarray:
-        stage_s = np.einsum("nst,ns->t", visited(log, stage_idx), log.seconds)
+    def cost(stage_idx: np.ndarray, taus: np.ndarray) -> np.ndarray:
+        stage_s = np.einsum("nst,ns->t", visited(log, stage_idx, taus), log.seconds)
         return log.judge_seconds.sum() + stage_s + occupancy.agent_wall(run, stage_idx < 0, step)
 
     return cost, float(occupancy.agent_wall(run, np.ones(run.n, bool), step))
@@ -268,26 +281,24 @@ def replay_cascade(
     taus: Mapping[str, float],
     category_taus: Mapping[str, Mapping[str, float]] | None = None,
 ) -> CascadeReplay:
-    """The cascade at the given per-stage thresholds (a stage without one accepts nothing);
+    """The cascade at the given per-stage thresholds (a stage without one is not run);
     ``category_taus`` replaces them for the queries of the categories it names."""
     log = cascade_log(run)
-    stage_idx = accepted_stage(log, tau_matrix(log.stages, taus))[:, 0]
-    if category_taus:
-        for cat, ctaus in category_taus.items():
-            sel = log.categories == cat
-            if sel.any():
-                sub = log.subset(np.flatnonzero(sel))
-                stage_idx[sel] = accepted_stage(sub, tau_matrix(log.stages, ctaus))[:, 0]
-    return summarize(run, log, stage_idx, dict(taus))
+    per_query = np.repeat(tau_matrix(log.stages, taus), log.n, axis=0)  # (n, S)
+    for cat, ctaus in (category_taus or {}).items():
+        per_query[log.categories == cat] = tau_matrix(log.stages, ctaus)[0]
+    return summarize(run, log, per_query, dict(taus))
 
 
 def summarize(
-    run: Run, log: CascadeLog, stage_idx: np.ndarray, taus: dict[str, float]
+    run: Run, log: CascadeLog, per_query_taus: np.ndarray, taus: dict[str, float]
 ) -> CascadeReplay:
-    """The replay's numbers from each query's accepting stage (-1: the agent)."""
+    """The replay's numbers at per-query thresholds (n, S); ``taus`` is what the rows report."""
     n = log.n
-    idx2 = stage_idx[:, None]
-    vis = visited(log, idx2)[:, :, 0]
+    th = per_query_taus[:, None, :]
+    idx2 = accepted_stage(log, th)
+    stage_idx = idx2[:, 0]
+    vis = visited(log, idx2, th)[:, :, 0]
     rows = []
     for j, name in enumerate(log.stages):
         reached = vis[:, j]
@@ -305,14 +316,14 @@ def summarize(
                 seconds=float(log.seconds[reached, j].sum()),
             )
         )
-    correct = np.where(
-        stage_idx >= 0, ~log.wrong[np.arange(n), np.maximum(stage_idx, 0)], log.agent_correct
-    )
-    m, k = accepted_wrong(log, idx2)
+    accepted = stage_idx >= 0
+    answer_wrong = log.wrong[np.arange(n), np.maximum(stage_idx, 0)]
+    correct = np.where(accepted, ~answer_wrong, log.agent_correct)
     cost_fn, agent_only = run_cost(run, log)
-    cost = float(cost_fn(idx2)[0])
+    cost = float(cost_fn(idx2, th)[0])
+    n_acc, n_wrong = int(accepted.sum()), int((accepted & answer_wrong).sum())
     routes = {name: int(np.sum(stage_idx == j)) for j, name in enumerate(log.stages)}
-    routes[AGENT] = int(np.sum(stage_idx < 0))
+    routes[AGENT] = int(np.sum(~accepted))
     cats = sorted(set(log.categories.tolist()))
     return CascadeReplay(
         taus=taus,
@@ -321,8 +332,8 @@ def summarize(
         routes=routes,
         accuracy=float(correct.mean()) if n else math.nan,
         agent_only_accuracy=float(log.agent_correct.mean()) if n else math.nan,
-        accepted=int(m[0]),
-        accepted_error=float(k[0] / m[0]) if m[0] else math.nan,
+        accepted=n_acc,
+        accepted_error=n_wrong / n_acc if n_acc else math.nan,
         per_category={c: float(correct[log.categories == c].mean()) for c in cats},
         time_per_query=cost / n if n else math.nan,
         speedup=agent_only / cost if cost > 0 and math.isfinite(agent_only) else math.nan,

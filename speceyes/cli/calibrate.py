@@ -37,7 +37,30 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     cal.add_argument("--seed", type=int, default=0, help="seed of --split")
     cal.add_argument("--holdout", default=None, help="run folder (same setup) to measure on")
     cal.add_argument("--output", default=None, help="default RUN/calibration.json")
+    _add_cascade_options(cal)
     cal.set_defaults(func=run)
+
+
+def _add_cascade_options(cal: argparse.ArgumentParser) -> None:
+    cas = cal.add_argument_group("cascade (docs/cascade.md)")
+    cas.add_argument(
+        "--cascade",
+        action="store_true",
+        help="one threshold per logged stage (small@0, small@1.., large_direct) with the "
+        "guarantee on the error of ALL accepted answers together",
+    )
+    cas.add_argument(
+        "--cascade-method",
+        default="fixed-sequence",
+        choices=["fixed-sequence", "bonferroni"],
+        help="fixed-sequence: joint threshold vectors along fixed paths, all the data; "
+        "bonferroni: stage by stage at delta/S, each on its own part of the queries",
+    )
+    cas.add_argument(
+        "--per-category",
+        action="store_true",
+        help="also thresholds per category (adaptive gating), each category at delta/G",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -48,6 +71,8 @@ def run(args: argparse.Namespace) -> int:
     from speceyes.bench.splits import parse_split
 
     run = load_run(args.run, require_results=False)
+    if args.cascade:
+        return _run_cascade(args, run)
     cal = calibrate(
         run,
         max_error=args.max_error,
@@ -63,6 +88,31 @@ def run(args: argparse.Namespace) -> int:
     print(format_calibration(cal))
     if not cal.passed:
         print(f"wrote {out} (a record only: eval and serve refuse it)", file=sys.stderr)
+        return 1
+    print(f"wrote {out} (pass it to eval or serve with --calibration)")
+    return 0
+
+
+def _run_cascade(args: argparse.Namespace, run) -> int:
+    from pathlib import Path
+
+    from speceyes.bench import cascade_calibration as cc
+    from speceyes.bench.splits import parse_split
+
+    cal = cc.calibrate_cascade(
+        run,
+        max_error=args.max_error,
+        confidence=args.confidence,
+        method=args.cascade_method,
+        per_category=args.per_category,
+        split=parse_split(args.split, args.seed) if args.split else None,
+        seed=args.seed,
+    )
+    out = Path(args.output or Path(args.run) / "calibration.json")
+    cc.write_cascade_calibration(cal, out)
+    print(cc.format_cascade_calibration(cal))
+    if not cal.base.passed:
+        print(f"wrote {out} (a record only: no stage accepts anything)", file=sys.stderr)
         return 1
     print(f"wrote {out} (pass it to eval or serve with --calibration)")
     return 0
