@@ -77,6 +77,7 @@ def _violations(scenario, fresh_log, choose, reps=REPS, n=N):
     return bad, accepted
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scenario", [FLAT, CORRELATED], ids=["flat", "correlated"])
 def test_fixed_sequence_coverage(scenario, fresh):
     bad, accepted = _violations(
@@ -88,6 +89,7 @@ def test_fixed_sequence_coverage(scenario, fresh):
         assert accepted > 0.2  # not vacuous: the cascade answers a real share itself
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scenario", [FLAT, CORRELATED], ids=["flat", "correlated"])
 def test_bonferroni_split_coverage(scenario, fresh):
     n = 2000 if scenario is CORRELATED else N  # each stage sees a quarter of the queries
@@ -101,6 +103,7 @@ def test_bonferroni_split_coverage(scenario, fresh):
         assert accepted > 0.1
 
 
+@pytest.mark.slow
 def test_naive_procedures_violate(fresh):
     """Without the correction over stages (or over paths) the same check fails: the test can
     fail."""
@@ -110,6 +113,7 @@ def test_naive_procedures_violate(fresh):
     assert _upper_tail(paths, 400, DELTA) < 1e-6, paths / 400
 
 
+@pytest.mark.slow
 def test_per_category_guarantee_holds_in_every_category():
     """Category b errs just above E everywhere, a is easy: pooled thresholds often let b's
     answers through; per-category thresholds at delta / 2 accept any of b's in at most delta of

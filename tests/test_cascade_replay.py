@@ -45,8 +45,8 @@ def _by_hand(run, taus):
         total += s["timings"]["judge"]
         route = "agent"
         for name in order:
-            if name not in taus or (name == "small@0" and s["judge_tool"]):
-                continue
+            if name not in taus or name not in stages or (name == "small@0" and s["judge_tool"]):
+                continue  # not in the cascade, did not run for this query, or not eligible
             e = stages[name]
             total += e["seconds"]
             if gate.accept(e["confidence"], taus[name]):
@@ -74,6 +74,24 @@ def test_replay_matches_a_plain_loop(cascade_dir):
     assert r.stages[1].reached == run.n - first.accepted  # later stages: every query left
     assert sum(r.routes.values()) == run.n
     assert "small@1" in cr.format_replay(r)
+
+
+def test_a_stage_that_did_not_run_costs_nothing(tmp_path):
+    """A small loop that ended early logs no deeper stage: that stage neither answers nor costs."""
+    path = write_synthetic_cascade_run(tmp_path / "run", 300, seed=6)
+    rd = RunDir(path)
+    samples = rd.records()
+    for s in samples[::3]:
+        s["stages"] = [e for e in s["stages"] if e["stage"] != "small@2"]
+    rd.rewrite(samples)
+    run = load_run(path)
+    taus = {"small@1": 0.95, "small@2": 0.3, "large_direct": 0.9}
+    r = cr.replay_cascade(run, taus)
+    routes, err, speedup = _by_hand(run, taus)
+    assert r.routes == routes and r.speedup == pytest.approx(speedup)
+    assert r.accepted_error == pytest.approx(err)
+    log = cr.cascade_log(run)
+    assert np.all(np.isnan(log.conf[::3, 2])) and np.all(log.seconds[::3, 2] == 0.0)
 
 
 @pytest.mark.parametrize("schedule", [False, True], ids=["gpu-time", "batched"])
@@ -146,3 +164,5 @@ def test_cli_calibrate_then_regate(cascade_dir, tmp_path, capsys):
     assert replay["speedup"] == pytest.approx(direct.speedup)
     assert main(["regate", str(cascade_dir), "--cascade", "small@0=0.9,small@1=0.9"]) == 0
     assert "| small@1 |" in capsys.readouterr().out
+    assert main(["calibrate", str(cascade_dir), "--cascade", "--top-k", "8"]) == 2
+    assert "does not take --top-k" in capsys.readouterr().err

@@ -50,7 +50,7 @@ def test_the_direct_answer_shares_the_agents_prefix(costs, draws):
     """The direct answer's prompt is the agent's own prefix: with prefix caching a rejected
     direct answer moves the image prefill from the agent's first turn instead of adding one;
     without prefix caching it adds a full-image prefill per query."""
-    spec = sc.CascadeSpec(0, True, {"large_direct": 0.0})
+    spec = sc.CascadeSpec(0, True, {"large_direct": 0.0}, direct_prompt="agent-prefix")
     full = costs.prefill_s(sm.LARGE, costs.agent_text_tokens, costs.image_tokens)
     for caching in (True, False):
         c = replace(costs, prefix_caching=caching)
@@ -63,6 +63,20 @@ def test_the_direct_answer_shares_the_agents_prefix(costs, draws):
             assert 0 < extra < 0.1 * reached * full
         else:
             assert reached * full < extra < 1.2 * reached * full
+
+
+def test_the_speculative_prompt_adds_its_prefill(costs, draws):
+    """The funnel's direct answer (the speculative prompt on the large model) shares no prefix
+    with the agent: a stage that accepts nothing adds its image prefill per query it reaches."""
+    spec = sc.CascadeSpec(0, True, {"large_direct": 0.0})
+    with_direct = sc.simulate_cascade_one(costs, draws, 1, spec, "prefix")
+    without = sc.simulate_cascade_one(costs, draws, 1, sc.CascadeSpec(0, False), "prefix")
+    extra = with_direct.engines["large"]["busy_s"] - without.engines["large"]["busy_s"]
+    reached = int(np.sum(draws.tool | ~draws.accept))
+    prefill = costs.prefill_s(sm.LARGE, costs.small_text_tokens, costs.image_tokens)
+    assert reached * prefill < extra < 1.2 * reached * prefill
+    with pytest.raises(ValueError, match="unknown direct prompt"):
+        sc.CascadeSpec(0, True, direct_prompt="mine").validate()
 
 
 def test_compare_and_skipped_share(costs):

@@ -77,7 +77,8 @@ class CascadeLog:
     conf: np.ndarray  # (n, S) confidence, NaN where the stage logged none
     wrong: np.ndarray  # (n, S) bool: the stage's answer is wrong or unscored (conservative)
     eligible: np.ndarray  # (n, S) bool: the stage decides on this query (``stage_eligible``)
-    seconds: np.ndarray  # (n, S) the stage's own seconds, gaps filled with the stage's mean
+    seconds: np.ndarray  # (n, S) the stage's own seconds (0 where it did not run; an entry
+    # without seconds: the stage's mean)
     judge_seconds: np.ndarray  # (n,)
     agent_seconds: np.ndarray  # (n,) NaN everywhere when no agent time was logged
     agent_correct: np.ndarray  # (n,) bool
@@ -141,6 +142,8 @@ def cascade_log(run: Run, stages: Sequence[str] | None = None) -> CascadeLog:
                 conf[i, j] = small0_conf[i]
                 correct[i, j] = run.small_correct[i]
                 seconds[i, j] = t.small[i]
+            else:  # the stage did not run for it (its small loop ended earlier): no answer
+                seconds[i, j] = 0.0
         col = seconds[:, j]
         seconds[:, j] = np.where(
             np.isnan(col), np.nanmean(col) if np.any(~np.isnan(col)) else 0.0, col

@@ -99,6 +99,18 @@ def _run_cascade(args: argparse.Namespace, run) -> int:
     from speceyes.bench import cascade_calibration as cc
     from speceyes.bench.splits import parse_split
 
+    given = [
+        flag
+        for flag, value in (
+            ("--top-k", args.top_k),
+            ("--agg", args.agg),
+            ("--holdout", args.holdout),
+            ("--min-relative-accuracy", args.min_relative_accuracy),
+        )
+        if value is not None
+    ]
+    if given:  # the stages' confidences are logged at the run's gate setting
+        raise ValueError(f"--cascade does not take {', '.join(given)} (use --split to hold out)")
     cal = cc.calibrate_cascade(
         run,
         max_error=args.max_error,

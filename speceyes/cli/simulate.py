@@ -64,6 +64,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "small@0=0.71,small@1=0.4,large_direct=0.3 (small@0 sets --alpha; default: assumed "
         "small@1=0.4, large_direct=0.3)",
     )
+    cas.add_argument(
+        "--direct-prompt", default="speculative", choices=["speculative", "agent-prefix"],
+        help="large_direct's prompt: the speculative-answer prompt (the funnel's), or the "
+        "agent's first-turn prompt plus a direct question (shares the agent's prefix cache)",
+    )
     sim.add_argument("--output", default="runs/simulate", help="output folder")
     sim.add_argument("--seed", type=int, default=0)
     sim.set_defaults(func=run)
@@ -115,7 +120,9 @@ def _run_cascade(args: argparse.Namespace, costs, cs: list[int], judges: list[st
 
     accept = sc.parse_stage_accept(args.stage_accept) if args.stage_accept else None
     alpha = args.alpha if accept is None else accept.pop("small@0", args.alpha)
-    spec = sc.CascadeSpec(args.speculate_depth, not args.no_middle_tier, accept)
+    spec = sc.CascadeSpec(
+        args.speculate_depth, not args.no_middle_tier, accept, args.direct_prompt
+    )
     alpha_tool = sc.DEFAULT_ALPHA_TOOL if args.alpha_tool is None else args.alpha_tool
     rows = sc.compare(costs, spec, cs, args.queries, args.beta, alpha, args.seed, judges, alpha_tool)
     print(sc.format_table(rows))

@@ -12,11 +12,14 @@ Stage costs (the cost model's fields, plus the two constants below):
   (the small model's view of a DeepEyes crop of the original image, plus ``tool_text_tokens``)
   and decodes the short answer (``small_decode_tokens``) whose logits the gate reads. With prefix
   caching the earlier turns stay cached; without, every turn prefills its whole history;
-- large_direct: the large model's prefill of the agent's own first-turn prompt followed by a
-  short direct-answer question (``DIRECT_QUESTION_TOKENS``), then ``small_decode_tokens``. The
-  prompt is the agent's prefix, so with prefix caching (a) after the prefix judge only the tail
-  and the question are prefilled, and (b) the agent's first turn after a rejected direct answer
-  hits the cache (only ``prefix_tail_tokens`` prefilled).
+- large_direct: the large model answers on the full image and decodes ``small_decode_tokens``.
+  Its prompt (``CascadeSpec.direct_prompt``): ``speculative``, the speculative-answer prompt
+  (image plus ``small_text_tokens``), shares nothing with the agent, so its image prefill is
+  added; ``agent-prefix``, the agent's own first-turn prompt followed by a short direct
+  question (``DIRECT_QUESTION_TOKENS``), so with prefix caching (a) after the prefix judge only
+  the tail and the question are prefilled, and (b) the agent's first turn after a rejected
+  direct answer hits the cache (only ``prefix_tail_tokens`` prefilled): the image prefill is
+  moved, not added.
 
 Acceptance per stage is a parameter: the share of the queries reaching a stage that its gate
 accepts (``--stage-accept small@1=0.4,large_direct=0.3``); small@0's is the funnel's ``alpha``
@@ -65,6 +68,7 @@ DIRECT_QUESTION_TOKENS = 40  # "answer directly from the image" after the agent'
 # Assumed until measured: acceptance among the queries reaching each stage.
 DEFAULT_STAGE_ACCEPT = {"small@1": 0.4, "large_direct": 0.3}
 LARGE_DIRECT = "large_direct"
+DIRECT_PROMPTS = ("speculative", "agent-prefix")
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,7 @@ class CascadeSpec:
     depth: int = 1  # small@1..small@depth
     middle_tier: bool = True  # large_direct
     accept: Mapping[str, float] | None = None  # None: DEFAULT_STAGE_ACCEPT; a stage missing: 0
+    direct_prompt: str = "speculative"  # large_direct's prompt (DIRECT_PROMPTS, module doc)
 
     @property
     def stages(self) -> list[str]:
@@ -93,6 +98,10 @@ class CascadeSpec:
             raise ValueError(
                 f"acceptance given for stages the cascade does not run: {', '.join(unknown)} "
                 f"(stages: {', '.join(self.stages) or 'none'}; small@0's is --alpha)"
+            )
+        if self.direct_prompt not in DIRECT_PROMPTS:
+            raise ValueError(
+                f"unknown direct prompt {self.direct_prompt!r}; one of {', '.join(DIRECT_PROMPTS)}"
             )
         if any(not 0.0 <= p <= 1.0 for p in given.values()):
             raise ValueError("stage acceptances must be in [0, 1]")
@@ -145,15 +154,17 @@ class _CascadeRun(_Run):
         self.direct_ran = [False] * self.n
         self.crop = small_crop_tokens(costs)
         c = costs
-        tail = c.prefix_tail_tokens
-        if judge == "prefix" and c.prefix_caching:  # the judge cached the agent's prompt
-            tokens = tail + DIRECT_QUESTION_TOKENS
+        self.direct_shares_prefix = spec.direct_prompt == "agent-prefix" and c.prefix_caching
+        if spec.direct_prompt == "speculative":
+            tokens = c.image_tokens + c.small_text_tokens
+            self.req_direct = (tokens, c.prefill_s(LARGE, c.small_text_tokens, c.image_tokens))
+        elif judge == "prefix" and c.prefix_caching:  # the judge cached the agent's prompt
+            tokens = c.prefix_tail_tokens + DIRECT_QUESTION_TOKENS
             self.req_direct = (tokens, c.prefill_s(LARGE, tokens))
         else:
-            self.req_direct = (
-                c.agent_prefill_tokens + DIRECT_QUESTION_TOKENS,
-                c.prefill_s(LARGE, c.agent_text_tokens + DIRECT_QUESTION_TOKENS, c.image_tokens),
-            )
+            tokens = c.agent_prefill_tokens + DIRECT_QUESTION_TOKENS
+            pre = c.prefill_s(LARGE, c.agent_text_tokens + DIRECT_QUESTION_TOKENS, c.image_tokens)
+            self.req_direct = (tokens, pre)
 
     # phases I and II as ours, then the next stage instead of the agent
     def _spec_judged(self, q: int, t: float) -> None:
@@ -217,13 +228,13 @@ class _CascadeRun(_Run):
     def _direct(self, q: int, t: float) -> None:
         c = self.costs
         self.direct_ran[q] = True
-        ctx = c.agent_prefill_tokens + DIRECT_QUESTION_TOKENS + c.small_decode_tokens
         tokens, pre = self.req_direct
+        ctx = c.image_tokens + max(tokens - c.image_tokens, 0) + c.small_decode_tokens
         self.large.submit(t, LARGE, tokens, pre, c.small_decode_tokens, ctx, self._stage_done, q)
 
     def _agent_start(self, q: int, t: float) -> None:
         c = self.costs
-        hit = self.first_hit or (self.direct_ran[q] and c.prefix_caching)
+        hit = self.first_hit or (self.direct_ran[q] and self.direct_shares_prefix)
         tokens = c.prefix_tail_tokens if hit else c.agent_prefill_tokens
         pre = c.prefill_s(LARGE, c.prefix_tail_tokens) if hit else self.first_s
         self.turn[q] = 0
@@ -337,7 +348,8 @@ def write_outputs(
         f"{n_queries} queries per run, closed loop, beta={beta}, small@0 alpha={alpha}, "
         f"later stages' acceptance among the queries reaching them: {accept or 'none'}; "
         f"seed={seed}" + (f"; {note}" if note else "") + ".",
-        f"Small model crop: {small_crop_tokens(costs)} visual tokens; tool call "
+        f"large_direct prompt: {spec.direct_prompt}. Small model crop: "
+        f"{small_crop_tokens(costs)} visual tokens; tool call "
         f"{SMALL_TOOL_CALL_TOKENS} decoded tokens; direct question {DIRECT_QUESTION_TOKENS} "
         "tokens after the agent's prompt.",
         "",
