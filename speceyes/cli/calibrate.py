@@ -37,7 +37,30 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     cal.add_argument("--seed", type=int, default=0, help="seed of --split")
     cal.add_argument("--holdout", default=None, help="run folder (same setup) to measure on")
     cal.add_argument("--output", default=None, help="default RUN/calibration.json")
+    _add_cascade_options(cal)
     cal.set_defaults(func=run)
+
+
+def _add_cascade_options(cal: argparse.ArgumentParser) -> None:
+    cas = cal.add_argument_group("cascade (docs/cascade.md)")
+    cas.add_argument(
+        "--cascade",
+        action="store_true",
+        help="one threshold per logged stage (small@0, small@1.., large_direct) with the "
+        "guarantee on the error of ALL accepted answers together",
+    )
+    cas.add_argument(
+        "--cascade-method",
+        default="fixed-sequence",
+        choices=["fixed-sequence", "bonferroni"],
+        help="fixed-sequence: joint threshold vectors along fixed paths, all the data; "
+        "bonferroni: stage by stage at delta/S, each on its own part of the queries",
+    )
+    cas.add_argument(
+        "--per-category",
+        action="store_true",
+        help="also thresholds per category (adaptive gating), each category at delta/G",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -48,6 +71,8 @@ def run(args: argparse.Namespace) -> int:
     from speceyes.bench.splits import parse_split
 
     run = load_run(args.run, require_results=False)
+    if args.cascade:
+        return _run_cascade(args, run)
     cal = calibrate(
         run,
         max_error=args.max_error,
@@ -63,6 +88,43 @@ def run(args: argparse.Namespace) -> int:
     print(format_calibration(cal))
     if not cal.passed:
         print(f"wrote {out} (a record only: eval and serve refuse it)", file=sys.stderr)
+        return 1
+    print(f"wrote {out} (pass it to eval or serve with --calibration)")
+    return 0
+
+
+def _run_cascade(args: argparse.Namespace, run) -> int:
+    from pathlib import Path
+
+    from speceyes.bench import cascade_calibration as cc
+    from speceyes.bench.splits import parse_split
+
+    given = [
+        flag
+        for flag, value in (
+            ("--top-k", args.top_k),
+            ("--agg", args.agg),
+            ("--holdout", args.holdout),
+            ("--min-relative-accuracy", args.min_relative_accuracy),
+        )
+        if value is not None
+    ]
+    if given:  # the stages' confidences are logged at the run's gate setting
+        raise ValueError(f"--cascade does not take {', '.join(given)} (use --split to hold out)")
+    cal = cc.calibrate_cascade(
+        run,
+        max_error=args.max_error,
+        confidence=args.confidence,
+        method=args.cascade_method,
+        per_category=args.per_category,
+        split=parse_split(args.split, args.seed) if args.split else None,
+        seed=args.seed,
+    )
+    out = Path(args.output or Path(args.run) / "calibration.json")
+    cc.write_cascade_calibration(cal, out)
+    print(cc.format_cascade_calibration(cal))
+    if not cal.base.passed:
+        print(f"wrote {out} (a record only: no stage accepts anything)", file=sys.stderr)
         return 1
     print(f"wrote {out} (pass it to eval or serve with --calibration)")
     return 0

@@ -27,6 +27,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     rg.add_argument("--part", default="sweep", help="with --split: sweep | calib | test | 1-3")
     rg.add_argument("--seed", type=int, default=0, help="with --split: the split's seed")
     rg.add_argument("--json", action="store_true")
+    rg.add_argument(
+        "--cascade",
+        default=None,
+        metavar="THRESHOLDS",
+        help="replay the cascade instead: 'small@0=0.9,small@1=0.85,large_direct=0.95' (a stage "
+        "left out accepts nothing), or a calibration file written by calibrate --cascade",
+    )
     rg.set_defaults(func=run)
 
 
@@ -50,6 +57,8 @@ def run(args: argparse.Namespace) -> int:
 
         split = parse_split(args.split, args.seed)
         run = split_run(run, split)[split.names[split.index(args.part)]]
+    if args.cascade:
+        return _run_cascade(args, run)
     taus = floats(args.tau) if args.tau else list(default_taus())
     ks = [int(k) for k in args.top_k.split(",")] if args.top_k else [None]
     aggs = args.agg.split(",") if args.agg else [None]
@@ -64,4 +73,25 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(format_table(rows))
     print(in_sample_note(run, len(rows)), file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
+def _run_cascade(args: argparse.Namespace, run) -> int:
+    from dataclasses import asdict
+    from pathlib import Path
+
+    from speceyes.bench import cascade_calibration as cc
+    from speceyes.bench import cascade_replay as cr
+    from speceyes.bench.regate import in_sample_note
+
+    if Path(args.cascade).is_file():
+        taus, per_cat = cc.read_stage_taus(args.cascade), cc.read_category_taus(args.cascade)
+    else:
+        taus, per_cat = cr.parse_stage_taus(args.cascade), {}
+    result = cr.replay_cascade(run, taus, per_cat or None)
+    if args.json:
+        print(json.dumps(asdict(result), indent=2, default=float))
+    else:
+        print(cr.format_replay(result))
+    print(in_sample_note(run, 1), file=sys.stderr if args.json else sys.stdout)
     return 0

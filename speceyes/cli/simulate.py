@@ -58,6 +58,25 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--no-prefix-caching", action="store_true",
         help="engines without prefix caching: every agent turn prefills its whole history",
     )
+    cas = sim.add_argument_group("cascade (docs/cascade.md)")
+    cas.add_argument(
+        "--cascade", action="store_true",
+        help="agent-only, the two-stage funnel and the cascade (small@0, small@1..d, "
+        "large_direct, agent) per --judge; writes cascade.md and cascade.csv",
+    )
+    cas.add_argument("--speculate-depth", type=int, default=1, help="small@1..small@d")
+    cas.add_argument("--no-middle-tier", action="store_true", help="no large_direct stage")
+    cas.add_argument(
+        "--stage-accept", default=None,
+        help="acceptance among the queries reaching each stage, e.g. "
+        "small@0=0.71,small@1=0.4,large_direct=0.3 (small@0 sets --alpha; default: assumed "
+        "small@1=0.4, large_direct=0.3)",
+    )
+    cas.add_argument(
+        "--direct-prompt", default="speculative", choices=["speculative", "agent-prefix"],
+        help="large_direct's prompt: the speculative-answer prompt (the funnel's), or the "
+        "agent's first-turn prompt plus a direct question (shares the agent's prefix cache)",
+    )
     sim.add_argument("--output", default="runs/simulate", help="output folder")
     sim.add_argument("--seed", type=int, default=0)
     sim.set_defaults(func=run)
@@ -81,6 +100,8 @@ def run(args: argparse.Namespace) -> int:
     cs = [int(c) for c in args.concurrency.split(",") if c.strip()]
     schedules = [s.strip() for s in args.schedules.split(",") if s.strip()]
     judges = [j.strip() for j in args.judge.split(",") if j.strip()]
+    if args.cascade:
+        return _run_cascade(args, costs, cs, judges)
     points = None
     if args.points:
         from speceyes.operating_points import read_points
@@ -103,6 +124,26 @@ def run(args: argparse.Namespace) -> int:
     )
     paths = sm.write_outputs(
         rows, Path(args.output), costs, args.beta, args.alpha, args.queries, args.seed, note
+    )
+    print(f"wrote {', '.join(str(p) for p in paths)}")
+    return 0
+
+
+def _run_cascade(args: argparse.Namespace, costs, cs: list[int], judges: list[str]) -> int:
+    from speceyes.simulate import cascade as sc
+
+    accept = sc.parse_stage_accept(args.stage_accept) if args.stage_accept else None
+    alpha = args.alpha if accept is None else accept.pop("small@0", args.alpha)
+    spec = sc.CascadeSpec(
+        args.speculate_depth, not args.no_middle_tier, accept, args.direct_prompt
+    )
+    alpha_tool = sc.DEFAULT_ALPHA_TOOL if args.alpha_tool is None else args.alpha_tool
+    rows = sc.compare(costs, spec, cs, args.queries, args.beta, alpha, args.seed, judges, alpha_tool)
+    print(sc.format_table(rows))
+    note = f"{args.bench} images" if args.bench else ""
+    note += ", one GPU for both models" if costs.shared_gpu else ""
+    paths = sc.write_outputs(
+        rows, args.output, costs, spec, args.beta, alpha, args.queries, args.seed, note
     )
     print(f"wrote {', '.join(str(p) for p in paths)}")
     return 0
