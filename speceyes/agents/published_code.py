@@ -120,7 +120,7 @@ class PublishedCodeAgent(CodeAgent):
             **given,
         }
         super().__init__(backend, sandbox_kwargs=sandbox_kwargs, **kwargs)
-        self.folder = pexec.OutputFolder()  # the run's shared output folder (its names)
+        self.folder = pexec.OutputFolder()  # the run's shared output folder
 
     # ---- the image and the prompt --------------------------------------------------------
     def _image(self, query: Query) -> Image.Image:
@@ -154,6 +154,10 @@ class PublishedCodeAgent(CodeAgent):
         ]
 
     # ---- turns ------------------------------------------------------------------------------
+    def close(self) -> None:
+        super().close()
+        self.folder.clear()
+
     def _finish(self, loop: _Loop) -> None:
         """The answer is the first <answer> of the assistant turn; none makes the row an error."""
         found = re.search(r"<answer>(.*?)</answer>", loop.text, re.DOTALL)
@@ -224,23 +228,26 @@ class PublishedCodeAgent(CodeAgent):
             "isolation": res.isolation,
         }  # fmt: skip
         loop.outcome.trace.append(step)
+        by_name = {os.path.basename(p): p for p in res.images}
+        # What the block saved stays in the run's output folder, shown or not (a name this
+        # block saved is never one of the earlier files it may show: those are absent here).
+        for name, copy in got.saved if got else ():
+            if copy in by_name:
+                self.folder.keep(name, by_name[copy])
         if got is None or got.kind == "none":  # utils.py:191-194: regenerate, say nothing
             self._drop(loop, code, step["error"] or "no result")
             return
-        self.folder.add(got.saved)
-        step.update(printed=got.printed, kind=got.kind, stale_images=got.stale)
+        step.update(printed=got.printed, kind=got.kind)
         if got.kind == "text":
             shown = [prompts.text_part(got.text or "")]
             images: list[Image.Image] = []
         else:
-            by_name = {os.path.basename(p): p for p in res.images}
-            missing = [n for n in got.images if n not in by_name]
-            images, problem = self._published_images(
-                [by_name[n] for n in got.images if n in by_name]
-            )
-            if got.unshowable or missing or problem:
+            paths = [self._resolve(n, by_name) for n in got.images]
+            step["earlier_images"] = sum(n.startswith(pexec.EARLIER) for n in got.images)
+            images, problem = self._published_images([p for p in paths if p is not None])
+            if got.unshowable or None in paths or problem:
                 # fetch_image raises on a file that is not an image: the row ends as an error
-                loop.outcome.error = problem or f"cannot show {got.unshowable or missing}"
+                loop.outcome.error = problem or f"cannot show {got.unshowable or got.images}"
                 loop.outcome.answer = NO_ANSWER
                 loop.done = True
                 return
@@ -257,6 +264,12 @@ class PublishedCodeAgent(CodeAgent):
         self._output(loop, *shown)
         if loop.outcome.turns >= self.max_tool_calls:
             self._finish(loop)
+
+    def _resolve(self, name: str, by_name: dict[str, str]) -> str | None:
+        """A shown image's host path: this block's copy, or the run's earlier file."""
+        if name.startswith(pexec.EARLIER):
+            return self.folder.path(name.removeprefix(pexec.EARLIER))
+        return by_name.get(name)
 
     def _published_images(self, paths: list[str]) -> tuple[list[Image.Image], str | None]:
         """The saved images as qwen-vl-utils' ``fetch_image`` reads them (no EXIF orientation),

@@ -23,10 +23,11 @@ model's block with ``exec`` in the evaluation process. Here the same steps run i
   ``utils.py`` ``run_evaluation`` (:191-219).
 
 The published output folder is shared by every query of a run and never emptied, and one
-rule (:690-699) compares counts against everything in it: the agent passes the names earlier
-blocks saved there (:class:`OutputFolder`), so the count is the published one; their files
-are not carried over (a rule that would show them shows only this block's). Variables never
-carry over between blocks: ``run_evaluation`` resets the context every iteration (:113).
+rule (:690-699) compares counts against everything in it and may show those files: the agent
+keeps the images earlier blocks of the run saved there (:class:`OutputFolder`, the latest
+file per name) and passes their names, so counts and shown images are the published ones
+(files left by earlier runs on the authors' machine aside). Variables never carry over between
+blocks: ``run_evaluation`` resets the context every iteration (:113).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from __future__ import annotations
 import ast
 import json
 import os
+import shutil
+import tempfile
 import textwrap
 import threading
 from dataclasses import dataclass, field
@@ -65,6 +68,7 @@ CV_PREFIXES = ("cv", "cv4", "cv3", "CV")  # sandbox.py:429
 OUTPUT_FOLDER = "temp_processed_images"  # sandbox.py:71, made inside the sandbox's work dir
 EXEC_TIME_LIMIT = 10  # sandbox.py:66, seconds
 RESULT_MARK = "@@speceyes-published-exec@@"
+EARLIER = "earlier:"  # a shown image that is a file of the run's output folder
 
 
 def is_dangerous(code: str) -> bool:
@@ -206,20 +210,38 @@ def published_rewrite(code: str, image_path: str, width: int, height: int) -> tu
     return code, formatted
 
 
-@dataclass
 class OutputFolder:
-    """The names saved in the published output folder by earlier blocks of a run."""
+    """The images earlier blocks of a run saved in the published output folder: the latest
+    file per name, kept on the host (in ``root``, made on first use)."""
 
-    names: set[str] = field(default_factory=set)
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    def __init__(self, root: str | None = None) -> None:
+        self._root = root
+        self._files: dict[str, str] = {}
+        self._lock = threading.Lock()
 
     def snapshot(self) -> list[str]:
-        with self.lock:
-            return sorted(self.names)
+        with self._lock:
+            return sorted(self._files)
 
-    def add(self, names: list[str]) -> None:
-        with self.lock:
-            self.names.update(n for n in names if isinstance(n, str))
+    def path(self, name: str) -> str | None:
+        with self._lock:
+            return self._files.get(name)
+
+    def keep(self, name: str, src: str) -> None:
+        """Keep a copy of ``src`` (a file the sandbox copied out) as the folder's ``name``."""
+        with self._lock:
+            if self._root is None:
+                self._root = tempfile.mkdtemp(prefix="speceyes-published-out-")
+            dest = self._files.get(name) or os.path.join(self._root, f"{len(self._files):06d}")
+            shutil.copyfile(src, dest)
+            self._files[name] = dest
+
+    def clear(self) -> None:
+        with self._lock:
+            self._files.clear()
+            if self._root is not None:
+                shutil.rmtree(self._root, ignore_errors=True)
+                self._root = None
 
 
 # ---- sandbox side ----------------------------------------------------------------------------
@@ -239,13 +261,13 @@ _JOB = json.loads(__JOB__)
 _EXTS = ["jpg", "jpeg", "png", "bmp", "gif", "tiff"]
 
 
-def _listing(folder):
-    # sandbox.py:168-176 get_image_paths: glob("*.<ext>") per extension, in that order
+def _listing(folder, extra=()):
+    # sandbox.py:168-176 get_image_paths: glob("*.<ext>") per extension, in that order; the
+    # run's earlier files (extra) are in the folder too
+    names = sorted(set(n for n in os.listdir(folder) if not n.startswith(".")) | set(extra))
     out = []
-    names = sorted(os.listdir(folder))
     for ext in _EXTS:
-        out += [os.path.join(folder, n) for n in names
-                if not n.startswith(".") and n.endswith("." + ext)]
+        out += [os.path.join(folder, n) for n in names if n.endswith("." + ext)]
     return out
 
 
@@ -316,8 +338,7 @@ def _run():
                 error = f"'processed_path' variable was '{pp}', which is not a valid file path"
         if full:
             pattern = rf"({re.escape(temp_output_dir)}[^\s\'\"]+\.(?:jpg|jpeg|png|bmp|gif|tiff))"
-            present = _listing(temp_output_dir)
-            possible = present + [p for p in earlier if p not in present]
+            possible = _listing(temp_output_dir, _JOB["earlier"])
             possible_error, parsed = "", 0
             for m in re.finditer(pattern, full):
                 parsed += 1
@@ -345,25 +366,36 @@ def _run():
         error = f"Code execution failed due to SyntaxError: {e}"
     except Exception as e:
         error = f"Code execution failed: {e}"
-    out = {"error": error, "print": (full or "")[:2000] if full is not None else None, "kind": "none", "text": None, "images": [],
-           "stale": 0, "saved": [], "unshowable": []}
-    if os.path.isdir(temp_output_dir):
-        out["saved"] = [os.path.relpath(p, temp_output_dir) for p in _listing(temp_output_dir)]
+    out = {"error": error, "print": (full or "")[:2000] if full is not None else None,
+           "kind": "none", "text": None, "images": [], "saved": [], "unshowable": []}
+    copied = 0
+
+    def _copy(p, prefix):
+        nonlocal copied
+        name = f"{prefix}{copied:02d}{os.path.splitext(p)[1].lower()}"
+        copied += 1
+        with open(p, "rb") as src, open(os.path.join(root, name), "wb") as dst:
+            dst.write(src.read())
+        return name
+
+    if os.path.isdir(temp_output_dir):  # what this block leaves in the folder, for the run
+        for p in _listing(temp_output_dir):
+            if os.path.isfile(p) and os.path.splitext(p)[1].lower() in __COPYABLE__:
+                out["saved"].append([os.path.basename(p), _copy(p, "published_saved_")])
     if paths:
         first = paths[0]
         stale = [p for p in paths if p in earlier and not os.path.exists(p)]
-        out["stale"] = len(stale)
         if os.path.exists(first) or first in stale:  # utils.py:205-213
             out["kind"] = "images"
-            for i, p in enumerate(q for q in paths if os.path.exists(q)):
-                ext = os.path.splitext(p)[1].lower()
-                if not os.path.isfile(p) or ext not in __COPYABLE__:
-                    out["unshowable"].append(p)
+            for p in paths:
+                if p in stale:
+                    out["images"].append(__EARLIER__ + os.path.basename(p))
+                elif not os.path.exists(p):
                     continue
-                name = f"published_out_{i:02d}{ext}"
-                with open(p, "rb") as src, open(os.path.join(root, name), "wb") as dst:
-                    dst.write(src.read())
-                out["images"].append(name)
+                elif os.path.isfile(p) and os.path.splitext(p)[1].lower() in __COPYABLE__:
+                    out["images"].append(_copy(p, "published_out_"))
+                else:
+                    out["unshowable"].append(p)
         else:  # utils.py:214-215: shown as text
             out["kind"], out["text"] = "text", first
     real["print"]("\n" + __MARK__ + json.dumps(out))
@@ -385,21 +417,23 @@ def harness(code: str, *, image_path: str, input_name: str, earlier: list[str]) 
         .replace("__FOLDER__", OUTPUT_FOLDER)
         .replace("__COPYABLE__", repr(tuple(IMAGE_EXTENSIONS)))
         .replace("__MARK__", repr(RESULT_MARK))
+        .replace("__EARLIER__", repr(EARLIER))
     )
 
 
 @dataclass
 class ExecResult:
     """What the published loop gets from one block: ``kind`` "images" (names in the sandbox's
-    work dir, in order), "text" (shown as it is) or "none" (the block is dropped)."""
+    work dir, in order; ``earlier:<name>`` for a file of the run's output folder), "text"
+    (shown as it is) or "none" (the block is dropped). ``saved``: (folder name, work-dir name)
+    of every image the folder holds after the block."""
 
     kind: str
     images: list[str]
     text: str | None
     error: str | None
     printed: str | None
-    saved: list[str]
-    stale: int = 0
+    saved: list[tuple[str, str]] = field(default_factory=list)
     unshowable: list[str] = field(default_factory=list)
 
 
@@ -423,9 +457,13 @@ def parse_result(stdout: str) -> ExecResult | None:
         v = raw.get(key)
         return v if isinstance(v, str) else None
 
+    saved = raw.get("saved") if isinstance(raw.get("saved"), list) else []
+    pairs = [
+        (a, b)
+        for a, b in (x for x in saved if isinstance(x, list) and len(x) == 2)
+        if isinstance(a, str) and isinstance(b, str)
+    ]
     kind = raw.get("kind") if raw.get("kind") in ("images", "text", "none") else "none"
-    stale = raw.get("stale") if isinstance(raw.get("stale"), int) else 0
     return ExecResult(
-        kind, strs("images"), opt("text"), opt("error"), opt("print"), strs("saved"), stale,
-        strs("unshowable"),
-    )  # fmt: skip
+        kind, strs("images"), opt("text"), opt("error"), opt("print"), pairs, strs("unshowable")
+    )
