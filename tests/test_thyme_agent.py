@@ -513,3 +513,11 @@ def test_published_rewrites_follow_the_released_sandbox():
     if published_thyme_exec.autopep8 is None:  # autopep8 (:541) would reformat further
         assert ran("import os\n    x = 1") == "import os\nx = 1"
         assert ran("for i in range(2):\n    print(i)") == "for i in range(2):\nprint(i)"
+
+
+def test_published_rewrite_formats_with_autopep8_where_installed():
+    pytest.importorskip("autopep8")  # sandbox.py:25, :537-546; the authors' requirements.txt:5
+    from speceyes.agents.published_thyme_exec import published_rewrite
+
+    ran, formatted = published_rewrite("if x == None: pass", "a.jpg", 10, 10)
+    assert formatted and "if x is None:\n    pass" in ran

@@ -271,14 +271,22 @@ def _listing(folder, extra=()):
     return out
 
 
+def _copyfile(a, b):
+    with open(a, "rb") as src, open(b, "wb") as dst:
+        while True:
+            chunk = src.read(1 << 20)
+            if not chunk:
+                break
+            dst.write(chunk)
+
+
 def _run():
     root = os.getcwd()
     image_path = _JOB["image_path"]
     where = os.path.dirname(image_path)
     if where:
         os.makedirs(where, exist_ok=True)
-    with open(_JOB["input"], "rb") as src, open(image_path, "wb") as dst:
-        dst.write(src.read())
+    _copyfile(_JOB["input"], image_path)
     os.chmod(image_path, 0o444)  # ReadOnlyPath (sandbox.py:73-108)
     temp_output_dir = os.path.join(root, "__FOLDER__")
     os.makedirs(temp_output_dir, exist_ok=True)
@@ -374,8 +382,7 @@ def _run():
         nonlocal copied
         name = f"{prefix}{copied:02d}{os.path.splitext(p)[1].lower()}"
         copied += 1
-        with open(p, "rb") as src, open(os.path.join(root, name), "wb") as dst:
-            dst.write(src.read())
+        _copyfile(p, os.path.join(root, name))
         return name
 
     if os.path.isdir(temp_output_dir):  # what this block leaves in the folder, for the run
