@@ -16,7 +16,13 @@ SpecEyes code (github.com/MAC-AutoML/SpecEyes, ``eval_code_deepeyes/`` and
 * phase IV one query at a time (the ``serial`` schedule), the agent-only baseline included;
 * tau per backbone and benchmark as in Table 1 (:data:`PUBLISHED_TAU`) when none is given;
 * the small-only mode (Table 1's draft-only row) as the authors' small-model script: its own
-  unindented question block (:func:`published_draft_block`) and batch size 8.
+  unindented question block (:func:`published_draft_block`) and batch size 8;
+* images as the scripts read them (:meth:`PublishedProtocol.open_image`): the stored pixels,
+  EXIF orientation never applied; with Thyme, HR-Bench and POPE images re-encoded as JPEG
+  quality 95 first;
+* the small model's reply as decoded, not stripped; ``<answer>`` unwrapped only when both tags
+  are present (:func:`published_prediction`); a small model whose name holds ``Thinking``
+  decodes up to 1024 tokens with DeepEyes (:func:`published_small_tokens`).
 
 Each protocol is one object, :data:`FAIR` or :data:`PUBLISHED` (an :class:`EvalProtocol`),
 picked once by name (:func:`get_protocol`); its methods build phase I and II messages, compute
@@ -27,7 +33,9 @@ published agent loops are their own classes (``agents/published_zoom.py``,
 
 from __future__ import annotations
 
+import io
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -121,6 +129,16 @@ PUBLISHED_TAU: dict[tuple[str, str], float] = {
 }
 
 
+# eval_code_thyme/SpecEyes.py:71-79 (HR-Bench) and :681-684 (POPE): decoded images are saved
+# as JPEG at this quality and every later step reads that file.
+PUBLISHED_JPEG_QUALITY = 95
+# eval_code_deepeyes/SpecEyes.py:351-352 and :414-417: a small model whose path holds this
+# decodes up to 1024 new tokens instead of 20 (the Thyme script has no such branch).
+PUBLISHED_THINKING_MARK = "Thinking"
+PUBLISHED_THINKING_TOKENS = 1024
+_EXIF_KEYS = ("exif", "xmp", "XML:com.adobe.xmp", "Raw profile type exif")
+
+
 @dataclass(frozen=True)
 class LoopSettings:
     """Defaults that depend on the protocol and the agent."""
@@ -187,6 +205,89 @@ def thyme_kind(query: Query) -> str | None:
 
 
 # --- images ----------------------------------------------------------------------------------
+def _qwen_to_rgb(img: Image.Image) -> Image.Image:
+    """qwen-vl-utils 0.0.14 ``to_rgb``: RGBA composited on white, anything else converted."""
+    if img.mode == "RGBA":
+        out = Image.new("RGB", img.size, (255, 255, 255))
+        out.paste(img, mask=img.split()[3])
+        return out
+    return img.convert("RGB")
+
+
+def _without_orientation(img: Image.Image) -> Image.Image:
+    """``img`` with its EXIF/XMP metadata dropped, so no later ``exif_transpose`` rotates it."""
+    for key in _EXIF_KEYS:
+        img.info.pop(key, None)
+    img.getexif().clear()  # the cached Exif object, if one was read already
+    return img
+
+
+def _open_raw(src: Any) -> Image.Image:
+    if isinstance(src, (bytes, bytearray, memoryview)):
+        fp: Any = io.BytesIO(bytes(src))
+    elif isinstance(src, (str, os.PathLike)) and not os.fspath(src).startswith("data:"):
+        fp = os.fspath(src).removeprefix("file://")
+    else:
+        return load_image(src)  # a data URI: decoded the usual way
+    img = Image.open(fp)
+    img.load()
+    return img
+
+
+def published_jpeg(img: Image.Image) -> Image.Image:
+    """The image as Thyme's script stores a decoded one (SpecEyes.py:75-78, :682-684): RGBA and
+    P converted to RGB, saved as JPEG quality 95 and read back."""
+    if img.mode in ("RGBA", "P"):
+        img = img.convert("RGB")
+    buf = io.BytesIO()
+    img.save(buf, format="JPEG", quality=PUBLISHED_JPEG_QUALITY)
+    buf.seek(0)
+    out = Image.open(buf)
+    out.load()
+    return out
+
+
+def published_image(src: Any, *, jpeg: bool = False) -> Image.Image:
+    """The image as the published scripts hand it to a model: ``Image.open`` of the stored
+    pixels, no EXIF orientation (neither the scripts nor qwen-vl-utils' ``fetch_image`` apply
+    it), converted by qwen-vl-utils' ``to_rgb``; ``jpeg``: re-encoded by :func:`published_jpeg`
+    first. A PIL image is taken as already decoded; it is returned as it is when it is RGB."""
+    if isinstance(src, Image.Image):
+        img = src
+        if jpeg and not img.info.get(_REENCODED):
+            img = published_jpeg(img)
+        elif img.mode == "RGB" and getattr(img, "im", None) is not None:
+            return _without_orientation(img)
+    else:
+        img = _open_raw(src)
+        if jpeg:
+            img = published_jpeg(img)
+    out = _without_orientation(_qwen_to_rgb(img))
+    if jpeg:
+        out.info[_REENCODED] = True
+    return out
+
+
+_REENCODED = "speceyes_published_jpeg"  # info key: re-encoded once, never twice
+
+
+def reencodes_jpeg(family: str, query: Query) -> bool:
+    """Whether Thyme's script stores ``query``'s image as JPEG first: HR-Bench and POPE rows
+    (decoded from the TSV / parquet), not V* (a file opened where it is)."""
+    return family == "thyme" and (is_pope(query) or is_hrbench(query))
+
+
+def is_pope(query: Query) -> bool:
+    return not query.options and query.category in POPE_SPLITS
+
+
+def is_hrbench(query: Query) -> bool:
+    return "cycle_category" in query.meta
+
+
+POPE_SPLITS = ("adversarial", "popular", "random")
+
+
 def published_smart_resize(width: int, height: int) -> tuple[int, int]:
     """SpecEyes' own smart_resize (utils.py) as it is called: (width, height) in, out.
 
@@ -210,8 +311,9 @@ def published_smart_resize(width: int, height: int) -> tuple[int, int]:
 
 
 def published_view(image: Any) -> tuple[Image.Image, View]:
-    """The image as the published code hands it to both models (resized, bicubic) and its view."""
-    img = load_image(image, copy=False)
+    """The image as the published code hands it to both models (resized, bicubic) and its view
+    (:func:`published_image`: no EXIF orientation)."""
+    img = published_image(image)
     w, h = published_smart_resize(img.width, img.height)
     view = View(img.width, img.height, w, h)
     if (w, h) == img.size:
@@ -223,6 +325,36 @@ def published_judge_tool(text: str) -> bool:
     """The published routing: tool-free iff the decoded reply, lower-cased, starts with "no"
     (a leading space or newline therefore means tools)."""
     return not text.lower().startswith("no")
+
+
+def published_prediction(text: str) -> str:
+    """What the scripts store as the prediction (eval_code_deepeyes/SpecEyes.py:635-638,
+    :696-699; eval_code_thyme/SpecEyes.py:430-433): the span inside ``<answer>...</answer>``,
+    stripped, when both tags are there; else the reply as decoded, not stripped (a Thinking
+    model's reasoning and ``</think>`` included: nothing is cut after it)."""
+    if "</answer>" in text and "<answer>" in text:
+        return text.split("<answer>")[1].split("</answer>")[0].strip()
+    return text
+
+
+def published_small_tokens(family: str | None, small_name: str, max_new_tokens: int) -> int:
+    """The small model's token budget: 1024 for a Thinking model with DeepEyes
+    (eval_code_deepeyes/SpecEyes.py:351-352, :414), else ``max_new_tokens`` (20)."""
+    if family == "deepeyes" and PUBLISHED_THINKING_MARK in small_name:
+        return PUBLISHED_THINKING_TOKENS
+    return max_new_tokens
+
+
+def _raw_text(backend: Backend, answer: SpecAnswer) -> str:
+    """The reply decoded as the scripts decode it (``skip_special_tokens=True``,
+    ``clean_up_tokenization_spaces=False``, no strip) where the backend has its tokenizer and
+    the token ids; else the backend's text."""
+    tok = getattr(backend, "tokenizer", None)
+    if tok is None or not answer.token_ids:
+        return answer.text
+    return tok.decode(
+        answer.token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
+    )
 
 
 # --- phase II answers in whole rows ---------------------------------------------------------
@@ -294,6 +426,10 @@ class EvalProtocol:
         """P(tool) per judge conversation (:func:`speceyes.judging.tool_probability`)."""
         return tool_probability(backend, batch, mode)
 
+    def open_image(self, query: Query, family: str) -> Image.Image:
+        """``query``'s image, loaded once for every phase (upright: EXIF orientation applied)."""
+        return load_image(query.image, copy=False)
+
     def answers(
         self,
         backend: Backend,
@@ -302,6 +438,7 @@ class EvalProtocol:
         max_new_tokens: int,
         top_k: int,
         agg: str,
+        family: str | None = None,
     ) -> list[SpecAnswer]:
         """Speculative answers with their top-K values per token."""
         return backend.answer(batch, max_new_tokens=max_new_tokens, top_k=top_k)
@@ -395,6 +532,11 @@ class PublishedProtocol(EvalProtocol):
         turns = backend.chat(batch, stop=stop, max_new_tokens=JUDGE_DECODE_TOKENS)
         return [1.0 if published_judge_tool(t.text) else 0.0 for t in turns]
 
+    def open_image(self, query: Query, family: str) -> Image.Image:
+        """The image as the scripts read it (:func:`published_image`): never EXIF-rotated;
+        re-encoded as JPEG first where Thyme's script stores it so (:func:`reencodes_jpeg`)."""
+        return published_image(query.image, jpeg=reencodes_jpeg(family, query))
+
     def answers(
         self,
         backend: Backend,
@@ -403,15 +545,24 @@ class PublishedProtocol(EvalProtocol):
         max_new_tokens: int,
         top_k: int,
         agg: str,
+        family: str | None = None,
     ) -> list[SpecAnswer]:
         """With ``agg="log"`` a backend that has whole logit rows (``scores == "logits"``) is
-        asked for them, and they are turned into top-K logprobs (see :func:`to_logprobs`)."""
+        asked for them, and they are turned into top-K logprobs (see :func:`to_logprobs`).
+        The token budget follows :func:`published_small_tokens` (``family``: the funnel's);
+        each text is the published prediction of the unstripped reply
+        (:func:`published_prediction`)."""
+        name = str(getattr(backend, "name", "") or "")
+        max_new_tokens = published_small_tokens(family, name, max_new_tokens)
         if agg == "log" and backend.scores == "logits":
             answers = backend.answer(batch, max_new_tokens=max_new_tokens, top_k=_WHOLE_VOCAB)
             for a in answers:
                 a.topk = to_logprobs(a.topk, top_k)
-            return answers
-        return backend.answer(batch, max_new_tokens=max_new_tokens, top_k=top_k)
+        else:
+            answers = backend.answer(batch, max_new_tokens=max_new_tokens, top_k=top_k)
+        for a in answers:
+            a.text = published_prediction(_raw_text(backend, a))
+        return answers
 
     def answer_scores(
         self,

@@ -7,11 +7,13 @@ Sources are github.com/MAC-AutoML/SpecEyes at 90d950f, cited by file and line.
 
 from __future__ import annotations
 
+import io
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
+from PIL import Image
 
 from speceyes import prompts, protocols
 from speceyes.agents.base import AgentOutcome, LoopAgent
@@ -19,6 +21,7 @@ from speceyes.bench.benchmarks import get as get_bench
 from speceyes.cli import build_parser
 from speceyes.factory import AgentSettings, Settings
 from speceyes.funnel import Funnel, FunnelConfig
+from speceyes.images import load_image
 from speceyes.protocols import FAIR, PUBLISHED
 from speceyes.types import Query, SpecAnswer
 from tests.conftest import make_scene
@@ -248,3 +251,156 @@ def test_small_only_mode_batches_eight_under_published():
             funnel=FunnelConfig(protocol="published", batch_size=None),
         )
         assert full.resolved().funnel.batch_size == protocols.PUBLISHED_BATCH_SIZE == 6
+
+
+# ---- 5. images as the scripts read them --------------------------------------------------------
+# eval_code_deepeyes/SpecEyes.py:176 and :126, eval_code_thyme/SpecEyes.py:87 (Image.open),
+# scripts/fetch_image.py:67-70 (qwen-vl-utils fetch_image: Image.open, to_rgb): nothing applies
+# the EXIF orientation.
+def _jpeg(img: Image.Image, orientation: int | None = None, quality: int = 90) -> bytes:
+    buf = io.BytesIO()
+    exif = Image.Exif()
+    if orientation is not None:
+        exif[0x0112] = orientation
+    img.save(buf, format="JPEG", quality=quality, exif=exif.tobytes())
+    return buf.getvalue()
+
+
+def _noise(w: int, h: int, seed: int = 0, mode: str = "RGB") -> Image.Image:
+    rng = np.random.default_rng(seed)
+    bands = len(mode)
+    return Image.fromarray(rng.integers(0, 256, (h, w, bands), dtype=np.uint8), mode)
+
+
+def _q(image, **kw) -> Query:
+    return Query(id="q", image=image, question="Which?", **kw)
+
+
+def test_published_images_are_never_exif_rotated():
+    data = _jpeg(_noise(60, 40), orientation=6)  # stored 60x40, "rotate 90" in EXIF
+    vstar = _q(data, options=["x", "y"], category="direct_attributes")
+    assert load_image(data).size == (40, 60)  # fair: upright
+    assert FAIR.open_image(vstar, "deepeyes").size == (40, 60)
+    raw = PUBLISHED.open_image(vstar, "deepeyes")
+    assert raw.size == (60, 40)
+    assert load_image(raw, copy=False).size == (60, 40)  # nothing downstream rotates it
+    shown, view = protocols.published_view(data)
+    assert (view.orig_w, view.orig_h) == (60, 40)
+    assert shown.size == protocols.published_smart_resize(60, 40)
+    # The DeepEyes loop shows and crops the stored pixels too (SpecEyes.py:196, :255).
+    from speceyes.agents.published_zoom import PublishedZoomAgent
+    from tests.test_protocols import Scripted
+
+    be = Scripted(["<answer>A</answer>"])
+    PublishedZoomAgent(be).run([vstar])
+    assert be.seen[0][0][1]["content"][0]["image"].size == protocols.published_smart_resize(60, 40)
+
+
+def test_thyme_reencodes_hrbench_and_pope_as_jpeg_95():
+    # eval_code_thyme/SpecEyes.py:71-79 (HR-Bench) and :679-684 (POPE): decoded, saved as
+    # JPEG quality 95, and that file is what every later step reads. V* is read where it is.
+    src = _noise(96, 64, seed=1)
+    png = io.BytesIO()
+    src.save(png, format="PNG")
+    buf = io.BytesIO()
+    src.save(buf, format="JPEG", quality=95)
+    want = np.asarray(Image.open(buf).convert("RGB"))
+    pope = _q(png.getvalue(), category="adversarial")
+    hr = _q(png.getvalue(), options=list("abcd"), meta={"index": "0", "cycle_category": "x"})
+    vstar = _q(png.getvalue(), options=["x", "y"], category="direct_attributes")
+    for query in (pope, hr):
+        assert protocols.reencodes_jpeg("thyme", query)
+        got = PUBLISHED.open_image(query, "thyme")
+        assert np.array_equal(np.asarray(got), want)
+        assert not np.array_equal(np.asarray(got), np.asarray(src))  # the test can fail
+        assert np.array_equal(np.asarray(protocols.published_image(got, jpeg=True)), want)  # once
+        assert np.array_equal(np.asarray(PUBLISHED.open_image(query, "deepeyes")), np.asarray(src))
+    assert not protocols.reencodes_jpeg("thyme", vstar)
+    assert np.array_equal(np.asarray(PUBLISHED.open_image(vstar, "thyme")), np.asarray(src))
+
+
+def test_published_rgb_conversion_is_qwen_vl_utils():
+    rgba = Image.new("RGBA", (8, 8), (10, 20, 30, 0))  # fully transparent
+    png = io.BytesIO()
+    rgba.save(png, format="PNG")
+    # qwen-vl-utils 0.0.14 to_rgb: RGBA on white
+    assert protocols.published_image(png.getvalue()).getpixel((0, 0)) == (255, 255, 255)
+    # Thyme's JPEG step converts RGBA to RGB first (SpecEyes.py:75-76): the alpha is dropped
+    jpeg = protocols.published_image(png.getvalue(), jpeg=True).getpixel((0, 0))
+    assert max(abs(a - b) for a, b in zip(jpeg, (10, 20, 30), strict=True)) <= 3
+
+
+# ---- 6. the small model's reply ---------------------------------------------------------------
+class _CharTokenizer:
+    def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=False):
+        return "".join(map(chr, ids))
+
+
+class _Replies:
+    """A small model whose replies are given; its text is stripped like the real backends'."""
+
+    scores = "topk"
+    max_logprobs = None
+    tokenizer = _CharTokenizer()
+
+    def __init__(self, replies: list[str], name: str = "Qwen3-VL-2B-Instruct") -> None:
+        self.replies, self.name, self.budgets = replies, name, []
+
+    def answer(self, batch, *, max_new_tokens, top_k):
+        self.budgets.append(max_new_tokens)
+        row = -np.arange(top_k, dtype=np.float32)[None, :]
+        return [SpecAnswer(r.strip(), row, token_ids=[ord(c) for c in r]) for r in self.replies]
+
+
+def test_published_prediction_is_the_unstripped_reply():
+    # eval_code_deepeyes/SpecEyes.py:635-638 (and :696-699, eval_code_thyme/SpecEyes.py:430-433):
+    # the <answer> span when both tags are there, else the decoded reply as it is.
+    replies = [" A", "<answer> B </answer>", "<think>x</think>\n\nC", "A\n"]
+    kw = {"max_new_tokens": 20, "top_k": 4, "agg": "min"}
+    pub = [a.text for a in PUBLISHED.answers(_Replies(replies), [[]] * 4, **kw)]
+    assert pub == [" A", "B", "<think>x</think>\n\nC", "A\n"]  # nothing is cut after </think>
+    fair = [a.text for a in FAIR.answers(_Replies(replies), [[]] * 4, **kw)]
+    assert fair == [r.strip() for r in replies]
+    # The bytes matter to the judge scripts: judge_vstar.py:140 takes a 1-character answer only.
+    from speceyes.bench.published_scoring import VSTAR_SCRIPT
+
+    rec = {"answer": "A", "options": ["red", "blue"]}
+    assert VSTAR_SCRIPT.rule({**rec, "prediction": "A"})[0] is True
+    assert VSTAR_SCRIPT.rule({**rec, "prediction": " A"})[0] is None  # to the LLM judge
+
+
+@pytest.mark.parametrize(
+    ("name", "family", "budget"),
+    [
+        ("Qwen3-VL-2B-Thinking", "deepeyes", 1024),  # eval_code_deepeyes/SpecEyes.py:351-352
+        ("Qwen3-VL-2B-Thinking", "thyme", 20),  # eval_code_thyme/SpecEyes.py:175-181: none
+        ("Qwen3-VL-2B-Thinking", None, 20),
+        ("Qwen3-VL-2B-Instruct", "deepeyes", 20),
+    ],
+)
+def test_thinking_small_model_budget(name, family, budget):
+    be = _Replies(["A"], name=name)
+    PUBLISHED.answers(be, [[]], max_new_tokens=20, top_k=4, agg="min", family=family)
+    assert be.budgets == [budget]
+    fair = _Replies(["A"], name=name)
+    FAIR.answers(fair, [[]], max_new_tokens=20, top_k=4, agg="min", family=family)
+    assert fair.budgets == [20]
+
+
+# ---- 7. the image path Thyme's prompt names ----------------------------------------------------
+def test_thyme_image_paths_are_the_scripts():
+    from speceyes.agents.published_code import published_image_path
+
+    small, wide = Image.new("RGB", (3840, 2160)), Image.new("RGB", (7680, 4320))
+    vstar = _q("/any/where/direct_attributes/sa_17.jpg", options=["x", "y"],
+               category="direct_attributes")  # fmt: skip
+    assert published_image_path(vstar, small) == "data/vstar/direct_attributes/sa_17.jpg"  # :587
+    pope = _q(b"", category="popular", meta={"question_id": "12"})
+    assert published_image_path(pope, small) == "./eval_code_thyme/_tmp_pope_images/popular/00000011.jpg"
+    pope.meta["row"] = 3  # a loader's row position wins
+    assert published_image_path(pope, small).endswith("/popular/00000003.jpg")
+    hr = _q(b"", options=list("abcd"), meta={"index": "5", "cycle_category": "c"})
+    assert published_image_path(hr, small) == "./eval_code_thyme/_tmp_hr_images/hr_bench_4k/00000005.jpg"
+    assert "/hr_bench_8k/00000005.jpg" in published_image_path(hr, wide)
+    hr.meta["split"] = "hr_bench_4k"
+    assert "/hr_bench_4k/" in published_image_path(hr, wide)

@@ -28,6 +28,7 @@ from speceyes.agents.code import (
     rewrite_code,
 )
 from speceyes.agents.sandbox import Sandbox
+from speceyes.images import resize_for_model
 from speceyes.types import ChatTurn, Query
 from tests.conftest import make_scene
 
@@ -363,3 +364,160 @@ def test_cli_agent_thyme_end_to_end(tiny_dirs, tmp_path, capsys):
          "--mode", "both", "--agent-max-tokens", "8"]
     )  # fmt: skip
     assert rc == 0 and "(tau 0.95)" in capsys.readouterr().out
+
+
+# ---- the published loop (github.com/MAC-AutoML/SpecEyes@90d950f eval_code_thyme/) ------------
+# ScriptedBackend writes the model's words; the real tiny backend encodes every conversation
+# and the real process sandbox runs every block.
+def _published(be, sandbox):
+    from speceyes.agents.published_code import PublishedCodeAgent
+
+    return PublishedCodeAgent(be, sandbox=sandbox)
+
+
+def _texts(messages: list[dict]) -> str:
+    out = []
+    for m in messages:
+        content = m["content"]
+        parts = content if isinstance(content, list) else [{"type": "text", "text": content}]
+        out += [p["text"] for p in parts if p.get("type") == "text"]
+    return "".join(out)
+
+
+def test_published_failed_first_block_continues_the_user_turn(q25, sandbox):
+    # utils.py:117-125: add_generation_prompt only at iteration 0, later the rendered chat with
+    # its last "<|im_end|>\n" cut; after a dropped first block (:191-194) that is the user turn.
+    be = ScriptedBackend(q25, [[code("print(1 / 0)"), code("print('hi')"), "<answer>x</answer>"]])
+    out = _published(be, sandbox).run([q(0)])[0]
+    assert out.answer == "x" and out.error is None and out.turns == 3
+    assert out.invalid_tool_calls == 1 and out.tool_calls == 1
+    second = be.seen[1][0]
+    assert [m["role"] for m in second] == ["system", "user"] and second[-1]["continue"] is True
+    rendered = q25.tokenizer.decode(q25._prepare([second])["input_ids"][0].tolist())
+    assert rendered.endswith("goes here.</answer>\n")  # the user's text goes on, "\n" kept
+    assert "<|im_start|>assistant" not in rendered
+    # The segment written so becomes the assistant turn (:242-243); the next call continues it.
+    third = be.seen[2][0]
+    assert third[1].get("continue") is None and third[-1]["role"] == "assistant"
+    assert [p["text"] for p in sandbox_output(third[-1]["content"])] == ["hi"]
+    rendered = q25.tokenizer.decode(q25._prepare([third])["input_ids"][0].tolist())
+    assert rendered.endswith("</code><sandbox_output>hi</sandbox_output>")
+    assert rendered.count("<|im_start|>assistant") == 1
+    # The model is never told why a block failed (utils.py:193 only prints it).
+    assert all("division by zero" not in _texts(conv) for step in be.seen for conv in step)
+    assert "division by zero" in json.dumps(out.trace)
+
+
+@pytest.mark.parametrize(
+    "body,shown",
+    [
+        ("def f():\n    return image_path\nprint(f())", None),  # exec(code, globals, locals)
+        ("print(len(set([1])))", None),  # sandbox.py:478-496: no set() among the builtins
+        ("class A:\n    pass\nprint(1)", None),  # ... nor __build_class__
+        ("import os\nos.remove(image_path)", None),  # :766 denied: nothing comes back
+        ("print(f'{math.pi:.2f}')", "3.14159265"),  # :656 every {:.Nf} becomes {:.8f}
+        ("print(np.zeros(3).shape, string.digits[:2])", "(3,) 01"),  # :498-511 globals
+        ("print(temp_output_dir.endswith('temp_processed_images'))", "True"),  # :519
+        ("print('  padded  ')", "padded"),  # :659 the print is stripped
+    ],
+)
+def test_published_blocks_run_as_the_released_sandbox_runs_them(q25, sandbox, body, shown):
+    be = ScriptedBackend(q25, [[code(body), "<answer>x</answer>"]])
+    out = _published(be, sandbox).run([q(0)])[0]
+    assert out.turns == 2
+    conv = be.seen[1][0]
+    if shown is None:  # dropped: the second generation continues the user turn
+        assert (out.tool_calls, out.invalid_tool_calls) == (0, 1)
+        assert [m["role"] for m in conv] == ["system", "user"] and conv[-1]["continue"]
+    else:
+        assert (out.tool_calls, out.invalid_tool_calls) == (1, 0)
+        assert [p["text"] for p in sandbox_output(conv[-1]["content"])] == [shown]
+
+
+def test_published_image_path_crop_and_processed_path(q25, sandbox, tmp_path):
+    folder = tmp_path / "direct_attributes"
+    folder.mkdir()
+    img = noise((640, 480), seed=3)
+    img.save(folder / "sa_7.jpg", quality=95)
+    query = Query(id="direct_attributes/sa_7", image=str(folder / "sa_7.jpg"), question="#0 what?",
+                  options=["red", "blue"], category="direct_attributes")  # fmt: skip
+    body = (
+        'image = Image.open("data/vstar/direct_attributes/sa_7.jpg")\n'  # the prompt's path
+        "x1, y1, x2, y2 = (10, 20, 30, 40)\n"
+        "crop = image.crop((x1, y1, x2, y2))\n"
+        'processed_path = "/mnt/data/temp_processed_images/crop.png"\n'
+        "crop.save(processed_path)\n"
+        "print(processed_path)"
+    )
+    shown = code("print(image_path)")
+    be = ScriptedBackend(q25, [[shown, code(body), shown, "<answer>A</answer>"]])
+    out = _published(be, sandbox).run([query])[0]
+    assert out.answer == "A" and out.tool_calls == 3, out.trace
+    user = be.seen[0][0][1]["content"][1]["text"]
+    assert '### User Image Path:** "data/vstar/direct_attributes/sa_7.jpg"' in user
+    assert '### User Image Size:** "640x480"' in user
+    steps = [s for s in out.trace if s["type"] == "code"]
+    assert "(10, 20, 74, 84)" in steps[1]["ran"]  # sandbox.py:259-308, 64 px minimum
+    assert 'image_path = "data/vstar' not in steps[1]["ran"]  # the literal names the image
+    parts = be.seen[3][0][-1]["content"]
+    original, crop, again = (sandbox_output(parts, k)[0]["image"] for k in (0, 1, 2))
+    limits = (q25.factor, q25.min_pixels, q25.max_pixels)
+    # utils.py:205-213: printed text naming an existing file is shown as that image (the
+    # folder is empty: 0 files for 1 printed name, sandbox.py:690-703)
+    assert original.size == resize_for_model(img, *limits)[0].size
+    assert crop.size == resize_for_model(Image.new("RGB", (64, 64)), *limits)[0].size
+    # The same print once crop.png is in the folder: 1 printed name, 1 file: that file is
+    # shown (sandbox.py:694-697), an earlier block's crop.
+    assert steps[2]["earlier_images"] == 1
+    assert np.array_equal(np.asarray(again), np.asarray(crop))
+
+
+def test_published_output_folder_is_shared_by_the_run(q25, sandbox):
+    # sandbox.py:690-699: with no path found, the printed names are counted against every
+    # image in the (never emptied) output folder; the run's earlier files count too.
+    def save(name):
+        return code(
+            f"img = Image.open(image_path)\nimg.save('/mnt/data/temp_processed_images/{name}')\n"
+            f"print('saved {name}')"
+        )
+
+    be = ScriptedBackend(
+        q25, [[save("a.png"), "<answer>x</answer>"], [save("b.png"), "<answer>y</answer>"]]
+    )
+    agent = _published(be, sandbox)
+    first = agent.run([q(0)])[0]
+    second = agent.run([q(1)])[0]
+    assert (first.tool_calls, first.invalid_tool_calls) == (1, 0)  # 1 name, 1 file
+    assert (second.tool_calls, second.invalid_tool_calls) == (0, 1)  # 1 name, 2 files
+    assert agent.folder.snapshot() == ["a.png", "b.png"]
+
+
+def test_published_rewrites_follow_the_released_sandbox():
+    from speceyes.agents.published_thyme_exec import published_rewrite
+
+    def ran(src):
+        return published_rewrite(src, "data/vstar/x/sa_1.jpg", 400, 300)[0]
+
+    # :316-344 a 4-tuple of names clamps only when one is a coordinate name
+    assert "(10, 10, 74, 74)" in ran("x1, y1, x2, y2 = (10, 10, 20, 20)")
+    assert "(10, 10, 20, 20)" in ran("a, b, c, d = (10, 10, 20, 20)")
+    assert "(336, 10, 400, 74)" in ran("crop_box = (390, 10, 900, 20)")  # :349-367, :289-292
+    assert "image[0:10, 5:2000]" in ran("crop = image[0:10, 5:2000]")  # :374 ast.Index: never
+    assert "'data/vstar/x/sa_1.jpg'" in ran('image_path = "/elsewhere/photo.jpg"')  # :201-212
+    assert '"data/vstar/x/sa_1.jpg"' in ran('image_path = "data/vstar/x/sa_1.jpg"')  # kept as is
+    assert "cv2.imread" in ran("cv.imread(image_path)")  # :423-455
+    # :536 the first line always takes the second's indentation, then dedent (:539): an
+    # indented body under a first line is flattened (parsing or not), as there.
+    from speceyes.agents import published_thyme_exec
+
+    if published_thyme_exec.autopep8 is None:  # autopep8 (:541) would reformat further
+        assert ran("import os\n    x = 1") == "import os\nx = 1"
+        assert ran("for i in range(2):\n    print(i)") == "for i in range(2):\nprint(i)"
+
+
+def test_published_rewrite_formats_with_autopep8_where_installed():
+    pytest.importorskip("autopep8")  # sandbox.py:25, :537-546; the authors' requirements.txt:5
+    from speceyes.agents.published_thyme_exec import published_rewrite
+
+    ran, formatted = published_rewrite("if x == None: pass", "a.jpg", 10, 10)
+    assert formatted and "if x is None:\n    pass" in ran

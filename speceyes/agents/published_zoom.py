@@ -6,7 +6,9 @@ call nor an answer gets the user prompt again as a user turn; a call that is not
 an assistant turn; a call that cannot be run (missing bbox_2d, a box that crops nothing) ends
 the row as an error; no minimum box size; the answer is the first ``<answer>`` of the turn that
 has one (the whole turn when it is not closed). The image is shown resized by SpecEyes' own
-smart_resize, with its system prompt and question block.
+smart_resize, with its system prompt and question block; it is the stored pixels, never
+EXIF-rotated (``init_messages_judge_tc`` crops and resizes what ``Image.open`` returns:
+:func:`~speceyes.protocols.published_image`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ from PIL import Image
 
 from speceyes import prompts, protocols
 from speceyes.agents.zoom import ZoomAgent, _Loop
-from speceyes.images import load_image
 from speceyes.types import Query
 
 
@@ -27,7 +28,7 @@ class PublishedZoomAgent(ZoomAgent):
     protocol = "published"
 
     def _start(self, query: Query) -> _Loop:
-        image = load_image(query.image, copy=False)
+        image = protocols.published_image(query.image)
         shown, view = protocols.published_view(image)
         text = protocols.published_question_block(query.question, query.options)
         messages = [
