@@ -62,7 +62,8 @@ class BackendSettings:
     decoding: str = "checkpoint"  # or "greedy-plain" (backends.base.DECODING_POLICIES)
     # ---- vLLM engines (--engine vllm)
     # Share of the GPU's memory (on CPU: of RAM) per engine; None: vLLM's default for one
-    # engine, an even split of backends.registry.VLLM_SHARED_MEMORY when both models run in this process.
+    # engine, an even split of backends.registry.VLLM_SHARED_MEMORY when both models run in
+    # this process.
     small_vllm_memory: float | None = None
     large_vllm_memory: float | None = None
     vllm_kv_cache_gib: float | None = None  # KV cache per engine; supersedes the share
