@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from speceyes import gate, protocols
 from speceyes.agents import registry
 from speceyes.agents.zoom import ZoomAgent
+from speceyes.backends import registry as engines
 from speceyes.funnel import FunnelConfig
 
 if TYPE_CHECKING:
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
 
     from speceyes.agents.base import Agent
     from speceyes.backends.base import Backend
-    from speceyes.bench.calibrate import Calibration
+    from speceyes.bench.calibration_file import Calibration
     from speceyes.funnel import Funnel
 
 
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
 class BackendSettings:
     """How to run a model given as a folder or hub id, and what servers behind URLs allow."""
 
-    engine: str = "hf"  # "hf" (transformers in-process) or "vllm" (offline engine)
+    engine: str = "hf"  # a backends.registry.ENGINES name: "hf" (transformers), "vllm", ...
     dtype: str = "auto"
     device_map: str | None = None  # None: CPU
     attn: str | None = None  # attention implementation, e.g. "sdpa"
@@ -61,7 +62,8 @@ class BackendSettings:
     decoding: str = "checkpoint"  # or "greedy-plain" (backends.base.DECODING_POLICIES)
     # ---- vLLM engines (--engine vllm)
     # Share of the GPU's memory (on CPU: of RAM) per engine; None: vLLM's default for one
-    # engine, an even split of VLLM_SHARED_MEMORY when both models run in this process.
+    # engine, an even split of backends.registry.VLLM_SHARED_MEMORY when both models run in
+    # this process.
     small_vllm_memory: float | None = None
     large_vllm_memory: float | None = None
     vllm_kv_cache_gib: float | None = None  # KV cache per engine; supersedes the share
@@ -71,11 +73,6 @@ class BackendSettings:
     def pixels(self, role: str) -> tuple[int | None, int | None]:
         """(min_pixels, max_pixels) given for ``role`` ("small" or "large")."""
         return getattr(self, f"{role}_min_pixels"), getattr(self, f"{role}_max_pixels")
-
-
-# Memory two vLLM engines in one process share when neither share is given: vLLM's own default
-# (0.9 of the device) split evenly, so the second engine still finds its share free.
-VLLM_SHARED_MEMORY = 0.9
 
 
 @dataclass
@@ -269,15 +266,20 @@ class Settings:
     # ---- derived settings -----------------------------------------------------------------
     def with_calibration(self, cal: Calibration | str | os.PathLike[str]) -> Settings:
         """These settings with a calibration's gate and judge mode; refused (ValueError) unless
-        the calibration was made for these models, this agent and this judge (a tau is only
-        valid for its setup). ``cal`` is a calibration or the path of its file. A tau given
-        here wins over the file's."""
-        from speceyes.bench.calibrate import Calibration, check_setup, read_calibration
+        the calibration was made for the setup these settings give (``setup_of``: these models,
+        this agent and this judge; a tau is only valid for its setup). ``cal`` is a calibration
+        or the path of its file. A tau given here wins over the file's."""
+        from speceyes.bench.calibration_file import (
+            Calibration,
+            check_calibration,
+            read_calibration,
+            setup_of,
+        )
 
         if not isinstance(cal, Calibration):
             cal = read_calibration(cal)
+        check_calibration(cal, setup_of(self))
         f = self.funnel
-        check_setup(cal, self.small, self.large, self.agent.kind, f.judge, f.judge_max_pixels)
         funnel = replace(
             f,
             tau=cal.tau if f.tau is None else f.tau,
@@ -349,12 +351,13 @@ def make_backend(
 ) -> Backend:
     """A backend for a model given as a folder, a hub id, or OpenAI-compatible server URL(s);
     ``family`` names the model behind a URL (a folder's own config says it). ``role`` picks the
-    per-model settings; ``shares_device``: another vLLM engine runs in this process."""
+    per-model settings; ``shares_device``: another vLLM engine runs in this process. A folder
+    or hub id runs on the engine ``settings.engine`` names (:mod:`speceyes.backends.registry`)."""
     b = settings or BackendSettings()
-    min_pixels, max_pixels = b.pixels(role)
     if _is_url(spec):
         from speceyes.backends.openai import OpenAIBackend, parse_server_spec
 
+        min_pixels, max_pixels = b.pixels(role)
         server = parse_server_spec(spec)
         return OpenAIBackend(
             list(server.urls),
@@ -367,65 +370,7 @@ def make_backend(
             session_header=b.session_header,
             max_model_len=b.server_max_model_len,
         )
-    if b.engine == "vllm":
-        from speceyes.backends.vllm import EngineStartError, VLLMBackend
-
-        memory = vllm_memory(b, role, shares_device)
-        try:
-            return VLLMBackend(
-                spec,
-                dtype=b.dtype,
-                tensor_parallel_size=b.tensor_parallel_size,
-                min_pixels=min_pixels,
-                max_pixels=max_pixels,
-                decoding=b.decoding,
-                **vllm_engine_options(b, memory),
-            )
-        except EngineStartError as e:
-            if e.memory is False:
-                raise
-            share = "vLLM's default" if memory is None else f"{memory:g}"
-            raise EngineStartError(
-                f"{e} -- if memory is short, set --{role}-vllm-memory (the {role} model's share "
-                f"of the device, now {share}), --vllm-kv-cache-gib or --vllm-max-model-len",
-                e.memory,
-            ) from e
-    from speceyes.backends.hf import HFBackend
-
-    return HFBackend(
-        spec,
-        dtype=b.dtype,
-        device_map=b.device_map,
-        attn_implementation=b.attn,
-        min_pixels=min_pixels,
-        max_pixels=max_pixels,
-        decoding=b.decoding,
-    )
-
-
-def vllm_memory(b: BackendSettings, role: str, shares_device: bool) -> float | None:
-    """The memory share of ``role``'s vLLM engine: its own setting; else, beside another
-    engine, what the other's share leaves of ``VLLM_SHARED_MEMORY`` (half of it when neither is
-    set); else None (vLLM's default)."""
-    own = getattr(b, f"{role}_vllm_memory")
-    if own is not None or not shares_device:
-        return own
-    other = getattr(b, f"{'large' if role == 'small' else 'small'}_vllm_memory")
-    return VLLM_SHARED_MEMORY / 2 if other is None else max(VLLM_SHARED_MEMORY - other, 0.05)
-
-
-def vllm_engine_options(b: BackendSettings, memory: float | None) -> dict[str, Any]:
-    """``vllm.LLM`` keyword arguments of the engine settings that are set."""
-    options: dict[str, Any] = {}
-    if memory is not None:
-        options["gpu_memory_utilization"] = memory
-    if b.vllm_kv_cache_gib is not None:  # on CPU the same as VLLM_CPU_KVCACHE_SPACE
-        options["kv_cache_memory_bytes"] = int(b.vllm_kv_cache_gib * 2**30)
-    if b.vllm_max_model_len is not None:
-        options["max_model_len"] = b.vllm_max_model_len
-    if b.vllm_eager:
-        options["enforce_eager"] = True
-    return options
+    return engines.engine(b.engine)(spec, b, role=role, shares_device=shares_device)
 
 
 def make_agent(

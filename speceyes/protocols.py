@@ -48,7 +48,7 @@ from speceyes.backends.base import Backend
 from speceyes.images import View, load_image
 from speceyes.judging import JUDGE_DECODE_TOKENS, JudgeMode, tool_probability
 from speceyes.limits import OPTION_LETTERS
-from speceyes.types import Query, Schedule, SpecAnswer
+from speceyes.types import Schedule, SpecAnswer
 
 # The agent families the published code covers.
 PUBLISHED_AGENTS: tuple[str, ...] = ("deepeyes", "thyme")
@@ -195,13 +195,6 @@ def published_thyme_question(
     if kind == "yorn":
         return PUBLISHED_THYME_YORN.format(question=question)
     return prompts.thyme_question(question, None, kind)
-
-
-def thyme_kind(query: Query) -> str | None:
-    """ "mcq", "yorn" (a POPE split) or None (free-form), as the Thyme prompts tell them apart."""
-    if query.options:
-        return "mcq"
-    return "yorn" if query.category in ("adversarial", "popular", "random") else None
 
 
 # --- images ----------------------------------------------------------------------------------

@@ -312,3 +312,90 @@ def test_nothing_passes_exits_nonzero_and_sizes_the_need(tmp_path, capsys):
     )
     assert "agent-only (--mode agent)" in capsys.readouterr().out
     assert cf.read_calibration(tmp_path / "c.json").needed_n is None
+
+
+# ------------------------------------------------------------------------------- the setup value
+
+
+def _with_settings(run_dir, settings):
+    """Record ``settings`` in a synthetic run's config as eval does today (under "settings",
+    beside the flat keys, which here say something else: the settings are what is read)."""
+    res = json.loads((run_dir / "results.json").read_text())
+    res["config"] |= {"models": {"small": "flat/small", "large": "flat/large"}, "agent": "thyme"}
+    res["config"][cf.SETTINGS_KEY] = json.loads(json.dumps(settings.resolved().to_dict()))
+    (run_dir / "results.json").write_text(json.dumps(res))
+    return run_dir
+
+
+def _settings(**changes):
+    from dataclasses import replace
+
+    from speceyes.factory import Settings
+
+    base = Settings(small="models/small", large="models/large")
+    base = base.with_funnel(judge="small", judge_max_pixels=200704)
+    return replace(base, **changes)
+
+
+def test_a_run_with_settings_is_calibrated_for_the_setup_they_give(tmp_path):
+    from speceyes.factory import AgentSettings
+
+    settings = _settings()
+    d = _with_settings(write_synthetic_run(tmp_path / "r", 2000, seed=5, k_logged=16), settings)
+    cal = cb.calibrate(load_run(d), max_error=0.15)
+    assert cal.setup == cf.setup_of(settings) == cf.run_setup(load_run(d).config)
+    assert (cal.models, cal.agent, cal.judge, cal.judge_max_pixels) == (
+        {"small": "models/small", "large": "models/large"}, "deepeyes", "small", 200704,
+    )  # fmt: skip
+    path = cf.write_calibration(cal, tmp_path / "cal.json")
+    # The file keeps the setup's keys where every version wrote them.
+    data = json.loads(path.read_text())
+    assert {k: data[k] for k in cal.setup.to_dict()} == cal.setup.to_dict()
+    back = cf.read_calibration(path)
+    assert back.setup == cal.setup
+    # The same settings take the calibration (its gate and judge mode applied)...
+    applied = settings.with_calibration(path)
+    assert (applied.funnel.tau, applied.funnel.top_k) == (cal.tau, cal.top_k)
+    # ...other settings are refused with every differing field named.
+    other = _settings(large="other", agent=AgentSettings(kind="thyme")).with_funnel(judge="large")
+    with pytest.raises(ValueError) as exc:
+        other.with_calibration(path)
+    message = str(exc.value)
+    assert "another setup (large, agent, judge differ)" in message
+    assert "made for --large 'models/large', not 'other'" in message
+    assert "made with --agent deepeyes, not thyme" in message
+    assert "made with --judge small on --judge-max-pixels 200704, not --judge large" in message
+    with pytest.raises(ValueError, match=r"another setup \(judge_max_pixels differ\)"):
+        settings.with_funnel(judge_max_pixels=100352).with_calibration(path)
+
+
+def test_a_run_without_settings_gives_its_flat_keys_as_before(tmp_path):
+    d = _with_setup(write_synthetic_run(tmp_path / "r", 500, seed=5, k_logged=16))
+    assert cf.run_setup(load_run(d).config) == cf.CalibrationSetup(
+        {"small": "models/small", "large": "models/large"}, "deepeyes", "large", None
+    )
+    bare = write_synthetic_run(tmp_path / "bare", 200, seed=5, k_logged=16)
+    assert cf.run_setup(load_run(bare).config) == cf.CalibrationSetup(None, None, "large", None)
+
+
+def test_a_version_3_file_is_checked_as_before(tmp_path):
+    from speceyes.factory import Settings
+
+    old = {
+        "tau": 0.7, "top_k": 16, "agg": "min", "alpha": 0.5, "max_error": 0.1, "confidence": 0.9,
+        "method": "ltt-fixed-sequence-clopper-pearson", "n": 100, "passed": True,
+        "models": {"small": "models/small", "large": "models/large"}, "agent": "deepeyes",
+        "judge_mode": "decode", "judge_threshold": 0.4, "judge": "small",
+        "judge_max_pixels": 200704, "version": 3,
+    }  # fmt: skip
+    path = tmp_path / "v3.json"
+    path.write_text(json.dumps(old))
+    cal = cf.read_calibration(path)
+    assert cal.setup == cf.setup_of(_settings())
+    applied = _settings().with_calibration(path).funnel
+    assert (applied.tau, applied.scale, applied.judge_mode) == (0.7, 0.5, "decode")
+    with pytest.raises(ValueError, match="made with --agent deepeyes, not thyme"):
+        cf.check_setup(cal, "models/small", "models/large", "thyme", "small", 200704)
+    with pytest.raises(ValueError, match="records no models"):
+        path.write_text(json.dumps(old | {"models": None}))
+        Settings(small="models/small", large="models/large").with_calibration(path)

@@ -483,3 +483,29 @@ def test_every_benchmark_file_follows_the_user_text_rule(vstar_root: Path) -> No
     queries = load_from_args(args).queries
     with pytest.raises(UserTextError, match=r"query direct_attributes/sa_2: the question"):
         list(queries)
+
+
+def test_a_question_file_is_checked_once_with_its_line_numbers(tmp_path, monkeypatch) -> None:
+    # eval applies the user-text rule to every benchmark's queries; the JSONL loader applies it
+    # itself with the file's line, and eval does not apply it a second time by query id.
+    from types import SimpleNamespace
+
+    from speceyes import usertext
+    from speceyes.bench import datasets
+    from speceyes.bench.benchmarks import load_from_args
+
+    calls = []
+    real = usertext.check_question
+    for module in (usertext, datasets):  # the registry imports it from usertext when it runs
+        monkeypatch.setattr(module, "check_question", lambda *a: calls.append(a) or real(*a))
+    rows = [
+        {"id": "a", "image": "a.png", "question": "What color?"},
+        {"id": "b", "image": "b.png", "question": "Which?", "options": ["red", "<|im_end|>"]},
+    ]
+    path = tmp_path / "q.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    queries = load_from_args(SimpleNamespace(bench="jsonl", data=str(path))).queries
+    assert next(queries).id == "a" and len(calls) == 1
+    with pytest.raises(usertext.UserTextError, match=r"q\.jsonl:2: option 2 contains"):
+        next(queries)
+    assert len(calls) == 2

@@ -75,6 +75,16 @@ def test_run_folders_are_eval_runs(demo_run):
     assert main(["report", *(str(demo_run / "runs" / "small-targets" / m) for m in MODES)]) == 0
 
 
+def test_run_folders_record_each_modes_settings(demo_run, models):
+    from speceyes.factory import Settings
+
+    for mode in MODES:
+        state = json.loads((demo_run / "runs" / "small-targets" / mode / "run.json").read_text())
+        settings = Settings.from_dict(state["config"]["settings"])
+        manifest = Settings.from_manifest(models / "manifest.json")
+        assert settings == manifest.with_funnel(mode=mode).resolved()
+
+
 def test_table_rows_and_columns(demo_run):
     md = (demo_run / "summary.md").read_text()
     main_table = md.split("\n\n")[0]  # the targets table follows after a blank line

@@ -152,8 +152,11 @@ def _eval_args(tiny_dirs, vstar, out, *extra):
 
 def _eval(args, funnel) -> None:
     """What `speceyes eval` does, with the two shard calls (apply_shard, EvalSpec.shard)."""
+    from dataclasses import replace
+
     from speceyes.bench.benchmarks import load_from_args
     from speceyes.bench.runner import EvalSpec, run_eval
+    from speceyes.factory import Settings
 
     bench, loader_kw, queries = load_from_args(args)
     queries = apply_shard(args, queries)
@@ -165,6 +168,7 @@ def _eval(args, funnel) -> None:
         models={"small": args.small, "large": args.large},
         loader_kw=loader_kw,
         shard=args.shard,
+        settings=replace(Settings.from_args(args), bench=bench).resolved(),
     )
     run_eval(spec, funnel, queries, progress=False, plots=False)
 

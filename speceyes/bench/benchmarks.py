@@ -62,6 +62,9 @@ class Benchmark:
     run's config. ``metrics(records)`` scores logged records (dicts, or anything with the same
     attributes). ``published`` is the authors' judge script for ``report --protocol published``
     (None: no published rules). ``images`` maps a simulator name to a typical image.
+    ``checks_user_text``: the loader applies the user-text rule to each query itself, with a
+    better location than the query id (``load_jsonl``: the file's line), so :meth:`open` does
+    not apply it a second time.
     """
 
     name: str
@@ -71,6 +74,13 @@ class Benchmark:
     loader_kw_from_args: Callable[[Any], dict[str, Any]] = _no_flags
     published: JudgeScript | None = None
     images: Mapping[str, BenchImages] = field(default_factory=dict)
+    checks_user_text: bool = False
+
+    def open(self, path: str | Path, loader_kw: Mapping[str, Any]) -> Iterator[Query]:
+        """The loader's queries, each under the user-text rule once (:func:`checked`, unless
+        the loader applies it itself)."""
+        queries = self.load(path, **loader_kw)
+        return queries if self.checks_user_text else checked(queries)
 
     def load_logged(self, path: str | Path, loader_kw: Mapping[str, Any]) -> Iterator[Query]:
         """The queries again from a run's logged loader settings. Keywords the loader does not
@@ -131,12 +141,12 @@ def load_from_args(args: Any) -> Loaded:
     """Open ``args.bench`` at ``args.data`` with the loader keywords its flags give."""
     bench = get(args.bench)
     loader_kw = bench.loader_kw_from_args(args)
-    return Loaded(bench.name, loader_kw, checked(bench.load(args.data, **loader_kw)))
+    return Loaded(bench.name, loader_kw, bench.open(args.data, loader_kw))
 
 
 def checked(queries: Iterable[Query]) -> Iterator[Query]:
     """Every query of a benchmark file under the rule user text follows everywhere (no
-    chat-template control tokens: speceyes.usertext), whatever its loader checks itself."""
+    chat-template control tokens: ``speceyes.usertext.check_question``), located by its id."""
     from speceyes.usertext import check_question
 
     for q in queries:
@@ -223,6 +233,7 @@ register(
         name="jsonl",
         load=datasets.load_jsonl,
         metrics=scoring.accuracy_metrics,
+        checks_user_text=True,  # located by file and line
         # The mini world (``speceyes demo``) is written in this format.
         images={"miniworld": BenchImages((1024, 1024), "the mini world's 1024x1024 canvas")},
     )

@@ -23,9 +23,13 @@ from speceyes.bench import regate as rg
 from speceyes.bench.calibration_file import (
     FORMAT_VERSION,
     Calibration,
+    CalibrationSetup,
+    check_calibration,
     check_setup,
     judge_words,
     read_calibration,
+    run_setup,
+    setup_of,
     write_calibration,
 )
 from speceyes.bench.ltt import (
@@ -50,12 +54,16 @@ __all__ = [
     "METHOD_RELATIVE",
     "NO_TAU",
     "Calibration",
+    "CalibrationSetup",
     "FamilyMember",
     "calibrate",
+    "check_calibration",
     "check_setup",
     "format_calibration",
     "held_out_metrics",
     "read_calibration",
+    "run_setup",
+    "setup_of",
     "write_calibration",
 ]
 
@@ -157,6 +165,7 @@ def calibrate(
         note = (note + " " if note else "") + "no candidate tau passed the test: accept nothing"
     acc, share, speed = _expectations(calib_run, res.tau, g)
     cfg = run.config
+    setup = run_setup(cfg)
     return Calibration(
         tau=res.tau,
         top_k=g.top_k,
@@ -177,11 +186,12 @@ def calibrate(
         passed=res.passed,
         source=source,
         note=note,
-        models=dict(cfg["models"]) if isinstance(cfg.get("models"), dict) else None,
-        agent=cfg.get("agent"),
+        models=setup.models,
+        agent=setup.agent,
+        judge=setup.judge,
+        judge_max_pixels=setup.judge_max_pixels,
         judge_mode=cfg.get("judge_mode"),
         judge_threshold=cfg.get("judge_threshold"),
-        **_judge_setup(cfg),
         family=[
             {
                 "top_k": m.top_k,
@@ -210,19 +220,10 @@ def _as_list(x: Any) -> list:
     return out
 
 
-def _judge_setup(config: dict[str, Any]) -> dict[str, Any]:
-    """The judge variant and view a run was made with; runs from before the variants had the
-    large judge on the full image."""
-    return {
-        "judge": config.get("judge") or "large",
-        "judge_max_pixels": config.get("judge_max_pixels"),
-    }
-
-
 def _check_holdout(run: Run, holdout: Run) -> None:
     """The held-out run must come from the same setup and share no query with the calibration."""
-    setup_a, setup_b = _judge_setup(run.config), _judge_setup(holdout.config)
-    for key in ("models", "agent", "judge_mode", "judge_threshold"):
+    setup_a, setup_b = run_setup(run.config).to_dict(), run_setup(holdout.config).to_dict()
+    for key in ("judge_mode", "judge_threshold"):
         setup_a[key], setup_b[key] = run.config.get(key), holdout.config.get(key)
     for key, a in setup_a.items():
         b = setup_b[key]

@@ -1,6 +1,11 @@
 """The calibration file: the ``Calibration`` record, its JSON (``write_calibration``,
-``read_calibration``, which reads every earlier version's keys) and ``check_setup``, which refuses
-a file made for other models, another agent or another judge."""
+``read_calibration``, which reads every earlier version's keys) and the setup it is valid for.
+
+A tau's guarantee holds only for the setup it was calibrated on: the :class:`CalibrationSetup`
+(the models, the agent, the judge variant and its view). :func:`setup_of` extracts it from a
+funnel's settings, both when a file is written (from the calibrated run's recorded settings,
+:func:`run_setup`) and when ``eval``/``serve`` check a file (:func:`check_calibration`), so the
+two sides are one value compared as one value."""
 
 from __future__ import annotations
 
@@ -8,12 +13,15 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from speceyes import gate
 from speceyes.funnel import JUDGES
+
+if TYPE_CHECKING:
+    from speceyes.factory import Settings
 
 FORMAT_VERSION = 3  # 2: the setup (models, agent, judge mode) and held-out numbers; 3: the judge
 
@@ -22,9 +30,11 @@ FORMAT_VERSION = 3  # 2: the setup (models, agent, judge mode) and held-out numb
 class Calibration:
     """A calibrated gate setting, written as JSON for ``eval``/``serve --calibration FILE``.
 
-    It records the setup it is valid for (models, agent, judge variant, view, mode and threshold)
-    besides the gate (tau, top-K, aggregation, sigmoid scale); ``eval``/``serve`` apply the gate
-    and judge mode and refuse other models, agents or judges (``check_setup``). ``expected_*`` are measured on the calibration queries;
+    It records the setup it is valid for (``models``, ``agent``, ``judge``, ``judge_max_pixels``:
+    :attr:`setup`, written at the top level of the file as every version wrote them) and the
+    judge mode and threshold besides the gate (tau, top-K, aggregation, sigmoid scale);
+    ``eval``/``serve`` apply the gate and judge mode and refuse another setup
+    (:func:`check_calibration`). ``expected_*`` are measured on the calibration queries;
     ``held_out`` on queries the test never saw.
     """
 
@@ -61,6 +71,11 @@ class Calibration:
     speedup_model: str = ""
     version: int = FORMAT_VERSION
 
+    @property
+    def setup(self) -> CalibrationSetup:
+        """The setup the calibration is valid for."""
+        return CalibrationSetup(self.models, self.agent, self.judge, self.judge_max_pixels)
+
     def to_dict(self) -> dict[str, Any]:
         return {k: _json_safe(v) for k, v in asdict(self).items()}
 
@@ -80,6 +95,72 @@ def _json_safe(v: Any) -> Any:
 # ---------------------------------------------------------------------------- setup
 
 
+@dataclass(frozen=True)
+class CalibrationSetup:
+    """What a calibration's guarantee depends on besides the gate: the models, the agent and
+    the judge variant with the view it is shown. The judge decides which queries reach the
+    gate, so the accepted set, and the error rate the guarantee bounds, changes with it.
+    ``agent`` None: not recorded, not compared. The judge mode and threshold are not part of
+    it: a calibration sets them (``Settings.with_calibration``)."""
+
+    models: dict[str, str | None] | None  # {"small": ..., "large": ...}; None: not recorded
+    agent: str | None
+    judge: str = "large"  # a funnel.JUDGES variant
+    judge_max_pixels: int | None = None  # the judge's view budget; None: the full image
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def differences(self, given: CalibrationSetup) -> list[str]:
+        """The fields in which ``given`` is another setup than this recorded one: a model that
+        is not the same spec or folder, another agent (where both are named), another judge
+        or view."""
+        out = [
+            role
+            for role in ("small", "large")
+            if not _same_model((self.models or {}).get(role), (given.models or {}).get(role))
+        ]
+        if self.agent and given.agent and self.agent != given.agent:
+            out.append("agent")
+        out += [k for k in ("judge", "judge_max_pixels") if getattr(self, k) != getattr(given, k)]
+        return out
+
+
+def setup_of(settings: Settings) -> CalibrationSetup:
+    """The setup a calibration made with ``settings`` depends on, and the one a funnel built
+    from them needs: the one extraction used to write a file and to check one."""
+    from speceyes.agents import registry
+
+    f = settings.funnel
+    return CalibrationSetup(
+        models={"small": settings.small, "large": settings.large},
+        agent=registry.agent_class(settings.agent.kind).name,
+        judge=f.judge,
+        judge_max_pixels=f.judge_max_pixels,
+    )
+
+
+SETTINGS_KEY = "settings"  # a run config's key holding the run's resolved settings
+
+
+def run_setup(config: dict[str, Any]) -> CalibrationSetup:
+    """The setup of a logged run: ``setup_of`` its recorded settings (``config["settings"]``);
+    a run folder written before the settings were recorded gives its ``models`` and ``agent``
+    keys and its judge keys (none: the large judge on the full image, as before the variants)."""
+    recorded = config.get(SETTINGS_KEY)
+    if isinstance(recorded, dict):
+        from speceyes.factory import Settings
+
+        return setup_of(Settings.from_dict(recorded))
+    models = config.get("models")
+    return CalibrationSetup(
+        models=dict(models) if isinstance(models, dict) else None,
+        agent=config.get("agent"),
+        judge=config.get("judge") or "large",
+        judge_max_pixels=config.get("judge_max_pixels"),
+    )
+
+
 def _same_model(recorded: str | None, given: str | None) -> bool:
     """Same model spec: equal text, or the same existing folder."""
     if recorded is None or given is None:
@@ -95,6 +176,52 @@ def judge_words(judge: str, max_pixels: int | None) -> str:
     return f"--judge {judge} on {view}"
 
 
+def check_calibration(cal: Calibration, given: CalibrationSetup) -> None:
+    """Raise a clear error unless ``cal`` accepts something and was made for the setup
+    ``given`` (``setup_of`` the settings it is to be applied to); the error names every field
+    that differs."""
+    where = f" (calibration from {cal.source})" if cal.source else ""
+    if not cal.passed:
+        raise ValueError(
+            f"this calibration file accepts nothing: no tau passed its test{where}. Use --mode "
+            "agent, or calibrate on more queries (the file's needed_n estimates how many)"
+        )
+    recorded = cal.setup
+    if not recorded.models:
+        raise ValueError(
+            f"the calibration file records no models{where}; it cannot be checked against this "
+            "setup. Re-run speceyes calibrate on a run made with these models"
+        )
+    differing = recorded.differences(given)
+    if not differing:
+        return
+    reasons = []
+    for role in ("small", "large"):
+        if role in differing:
+            reasons.append(
+                f"made for --{role} {recorded.models.get(role)!r}, not "
+                f"{(given.models or {}).get(role)!r}"
+            )
+    if "agent" in differing:
+        reasons.append(f"made with --agent {recorded.agent}, not {given.agent}")
+    judge = {"judge", "judge_max_pixels"} & set(differing)
+    if judge:
+        reasons.append(
+            f"made with {judge_words(recorded.judge, recorded.judge_max_pixels)}, "
+            f"not {judge_words(given.judge, given.judge_max_pixels)}"
+        )
+    why = []
+    if set(differing) - judge:
+        why.append("tau is only valid for the models, backend and K it was calibrated with")
+    if judge:
+        why.append("the guarantee holds only for the judge it was calibrated with")
+    raise ValueError(
+        f"the calibration file was made for another setup ({', '.join(differing)} differ)"
+        f"{where}: it was {'; '.join(reasons)}; {''.join(w + '; ' for w in why)}pass the same "
+        "options, or calibrate on a run made with these"
+    )
+
+
 def check_setup(
     cal: Calibration,
     small: str | None,
@@ -103,40 +230,10 @@ def check_setup(
     judge: str = "large",
     judge_max_pixels: int | None = None,
 ) -> None:
-    """Raise a clear error unless the calibration was made for these models, this agent and this
-    judge variant and view (the defaults are the funnel's: the large judge on the full image)."""
-    where = f" (calibration from {cal.source})" if cal.source else ""
-    if not cal.passed:
-        raise ValueError(
-            f"this calibration file accepts nothing: no tau passed its test{where}. Use --mode "
-            "agent, or calibrate on more queries (the file's needed_n estimates how many)"
-        )
-    if not cal.models:
-        raise ValueError(
-            f"the calibration file records no models{where}; it cannot be checked against this "
-            "setup. Re-run speceyes calibrate on a run made with these models"
-        )
-    for role, given in (("small", small), ("large", large)):
-        recorded = cal.models.get(role)
-        if not _same_model(recorded, given):
-            raise ValueError(
-                f"the calibration file was made for --{role} {recorded!r}, not {given!r}{where}: "
-                "tau is only valid for the models, backend and K it was calibrated with; "
-                "calibrate on a run of this setup"
-            )
-    if cal.agent and agent and cal.agent != agent:
-        raise ValueError(
-            f"the calibration file was made with --agent {cal.agent}, not {agent}{where}"
-        )
-    # The judge decides which queries reach the gate, so the accepted set, and the error rate
-    # the guarantee bounds, changes with the judge and with the view it is shown.
-    if (cal.judge, cal.judge_max_pixels) != (judge, judge_max_pixels):
-        raise ValueError(
-            f"the calibration file was made with {judge_words(cal.judge, cal.judge_max_pixels)}, "
-            f"not {judge_words(judge, judge_max_pixels)}{where}: the guarantee holds only for "
-            "the judge it was calibrated with; pass the same judge options, or calibrate on a "
-            "run made with these"
-        )
+    """``check_calibration`` against the setup given by its parts (the defaults are the
+    funnel's: the large judge on the full image)."""
+    given = CalibrationSetup({"small": small, "large": large}, agent, judge, judge_max_pixels)
+    check_calibration(cal, given)
 
 
 # ---------------------------------------------------------------------------- the JSON file

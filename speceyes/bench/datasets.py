@@ -458,7 +458,9 @@ def load_jsonl(path: str | Path) -> Iterator[Query]:
                 raise BenchmarkFormatError(
                     f"{where}: too many options ({len(options)}; at most {MAX_OPTIONS})"
                 )
-        check_question(str(obj["question"]), options, f"{where}: ")  # no control tokens
+        # The user-text rule (no control tokens), located by line; the registry's entry says
+        # so (checks_user_text), so eval does not apply it again by query id.
+        check_question(str(obj["question"]), options, f"{where}: ")
         answer = obj.get("answer")
         if answer is not None:
             answer = str(answer)

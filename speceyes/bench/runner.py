@@ -1,6 +1,8 @@
 """``speceyes eval``: run a benchmark through the funnel, one logged line per query.
 
-A run directory (:mod:`speceyes.rundir`) holds ``run.json`` (the configuration, written first),
+A run directory (:mod:`speceyes.rundir`) holds ``run.json`` (the configuration, written first:
+the funnel's settings flat as readers look them up, and the whole resolved ``Settings`` under
+``settings``, which ``Settings.from_dict`` reads back),
 ``samples.jsonl`` (one line per query, appended and flushed as soon as the query finishes) and
 ``results.json`` (metrics, written at the end). ``resume`` skips every id already logged, so a
 killed run loses at most the batch in flight and never logs a query twice.
@@ -14,17 +16,21 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from speceyes import __version__, gate
 from speceyes.bench import benchmarks, scoring
+from speceyes.bench.calibration_file import SETTINGS_KEY
 from speceyes.bench.shards import Shard
 from speceyes.funnel import Funnel
 from speceyes.rates import beta_alpha_of
 from speceyes.rundir import RunDir, RunDirError
 from speceyes.types import PHASES, Query, Result
+
+if TYPE_CHECKING:
+    from speceyes.factory import Settings
 
 
 @dataclass
@@ -40,6 +46,7 @@ class EvalSpec:
     models: dict[str, str | None] = field(default_factory=dict)
     loader_kw: dict[str, Any] = field(default_factory=dict)
     shard: Shard | None = None  # run only this shard of the queries (recorded in run.json)
+    settings: Settings | None = None  # the resolved settings the funnel was built from
 
 
 def _topk_list(topk: np.ndarray | None) -> list[list[float]] | None:
@@ -179,6 +186,8 @@ def run_eval(
     }
     if spec.shard is not None:  # only when sharded: older run folders still resume
         config["shard"] = str(spec.shard)
+    if spec.settings is not None:
+        config[SETTINGS_KEY] = spec.settings.to_dict()
     state: dict[str, Any] = {"config": config, "segments": []}
     if run_dir.holds_run():
         if not spec.resume:
@@ -188,12 +197,18 @@ def run_eval(
         logged_state = run_dir.read_state()
         if logged_state is not None:
             state = logged_state
-            # A run logged before "decoding" was recorded resumes under today's.
-            state["config"].setdefault("decoding", json.loads(json.dumps(config["decoding"])))
-            if state["config"] != json.loads(json.dumps(config)):
-                diff = sorted(
-                    k for k in config if state["config"].get(k) != json.loads(json.dumps(config[k]))
-                )
+            # A run logged before "decoding" or the settings were recorded resumes under today's.
+            for key in ("decoding", SETTINGS_KEY):
+                if key in config:
+                    state["config"].setdefault(key, json.loads(json.dumps(config[key])))
+            # The settings are recorded, not compared: a run resumes, as it always did, on
+            # another device or memory share; the other keys are what its results depend on.
+            logged, today = (
+                {k: v for k, v in c.items() if k != SETTINGS_KEY}
+                for c in (state["config"], json.loads(json.dumps(config)))
+            )
+            if logged != today:
+                diff = sorted(k for k in today if logged.get(k) != today[k])
                 raise RunDirError(
                     f"cannot resume {out}: the configuration differs in {', '.join(diff)}"
                 )

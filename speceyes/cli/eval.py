@@ -77,7 +77,8 @@ def run(args: argparse.Namespace) -> int:
     if first is None:
         raise ValueError(f"no queries found in {args.data}")
     # The benchmark's name: the published protocol's tau depends on it.
-    funnel = build_funnel(replace(Settings.from_args(args), bench=bench))
+    settings = replace(Settings.from_args(args), bench=bench).resolved()
+    funnel = build_funnel(settings)
     out = Path(args.output or f"runs/{bench}-{funnel.config.mode}")
     spec = EvalSpec(
         bench=bench,
@@ -91,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
         models={"small": args.small, "large": args.large},
         loader_kw=loader_kw,
         shard=args.shard,
+        settings=settings,
     )
 
     def chained():

@@ -12,7 +12,8 @@ import argparse
 from speceyes import gate, protocols
 from speceyes.agents import registry
 from speceyes.backends.base import DECODING_POLICIES
-from speceyes.factory import VLLM_SHARED_MEMORY, AgentSettings, BackendSettings, Settings
+from speceyes.backends.registry import ENGINES, VLLM_SHARED_MEMORY
+from speceyes.factory import AgentSettings, BackendSettings, Settings
 from speceyes.funnel import JUDGES, MODES, SCHEDULES, FunnelConfig
 
 _SEARCH = registry.AGENTS["search"]
@@ -42,7 +43,7 @@ def add_model_args(p: argparse.ArgumentParser, *, required: bool = True) -> None
     g.add_argument(
         "--engine",
         default=b.engine,
-        choices=["hf", "vllm"],
+        choices=list(ENGINES),
         help="runtime for folders/hub ids: hf (transformers in-process) or vllm (vLLM "
         f"offline) (default: {b.engine})",
     )

@@ -407,13 +407,12 @@ def run(args: argparse.Namespace) -> int:
         for mode in modes:
             run_dir = out / RUNS_DIR / split / mode
             print(f"[{SPLIT_LABEL[split]}] {MODE_LABEL[mode]} -> {run_dir}", flush=True)
+            mode_settings = settings.with_funnel(mode=mode).resolved()
             funnel = build_funnel(
-                settings.with_funnel(mode=mode),
-                (backends.get("small"), backends.get("large")),
-                agent,
+                mode_settings, (backends.get("small"), backends.get("large")), agent
             )
             ident = _identity(key, size, mode, prints, settings)
-            runs[mode] = open_run(run_dir, subset, ident, funnel, models)
+            runs[mode] = open_run(run_dir, subset, ident, funnel, models, mode_settings)
         first = next(iter(runs.values()))
         print(
             f"  {len(first.queries)} questions; the modes take turns, "

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from speceyes.factory import Settings
     from speceyes.funnel import Funnel
     from speceyes.types import Query
 
@@ -59,6 +60,7 @@ class ModeRun:
     resume: bool = False  # whether the next run_eval call continues a run in the folder
     checked: bool = False  # whether a run_eval call has checked the folder's configuration
     results: dict[str, Any] | None = None  # from the call that logged the last question
+    settings: Settings | None = None  # the funnel's resolved settings (recorded in run.json)
 
     @property
     def batch_size(self) -> int:
@@ -110,6 +112,7 @@ class ModeRun:
             output=self.run_dir,
             resume=self.resume,
             models=self.models,
+            settings=self.settings,
             loader_kw={"target_size": self.ident["target_size"], "split": self.ident["split"]},
         )
         # The figures only once, when the folder is complete: they do not change per batch.
@@ -128,6 +131,7 @@ def open_run(
     ident: dict[str, Any],
     funnel: Funnel,
     models: dict[str, Path],
+    settings: Settings | None = None,
 ) -> ModeRun:
     """The mode's run folder, ready to fill: a folder of this demo's identity is kept (its
     logged questions are skipped), one of another identity moved aside."""
@@ -156,6 +160,7 @@ def open_run(
         models={r: str(p) for r, p in models.items()},
         done=done,
         resume=started,
+        settings=settings,
     )
 
 
