@@ -48,7 +48,7 @@ from speceyes.backends.base import Backend
 from speceyes.images import View, load_image
 from speceyes.judging import JUDGE_DECODE_TOKENS, JudgeMode, tool_probability
 from speceyes.limits import OPTION_LETTERS
-from speceyes.types import Schedule, SpecAnswer
+from speceyes.types import Query, Schedule, SpecAnswer
 
 # The agent families the published code covers.
 PUBLISHED_AGENTS: tuple[str, ...] = ("deepeyes", "thyme")
