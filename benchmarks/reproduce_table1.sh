@@ -95,11 +95,13 @@ eval_run() {  # eval_run NAME EVAL_ARGS...: into $OUT/NAME, in SHARDS parts merg
 }
 
 # ---- the runs --------------------------------------------------------------------------------
-SPLITS=(vstar hr4k hr8k pope-adversarial pope-popular pope-random)
+# V* runs one category at a time: the released scripts time each split on its own
+SPLITS=(vstar-direct_attributes vstar-relative_position hr4k hr8k pope-adversarial pope-popular
+        pope-random)
 
 split_args() {  # split_args SPLIT: that benchmark split's eval flags, into ARGS
     case $1 in
-        vstar) ARGS=(--bench vstar --data "$VSTAR" --no-shuffle) ;;  # the published option order
+        vstar-*) ARGS=(--bench vstar --data "$VSTAR" --split "${1#vstar-}" --no-shuffle) ;;
         hr4k) ARGS=(--bench hrbench --data "$HR4K") ;;
         hr8k) ARGS=(--bench hrbench --data "$HR8K") ;;
         pope-*) ARGS=(--bench pope --data "$POPE" --split "${1#pope-}") ;;
@@ -108,10 +110,10 @@ split_args() {  # split_args SPLIT: that benchmark split's eval flags, into ARGS
 
 tau_for() {  # tau_for BACKBONE SPLIT
     case $1/$2 in
-        deepeyes/vstar) echo "$TAU_DEEPEYES_VSTAR" ;;
+        deepeyes/vstar-*) echo "$TAU_DEEPEYES_VSTAR" ;;
         deepeyes/hr*) echo "$TAU_DEEPEYES_HR" ;;
         deepeyes/pope-*) echo "$TAU_DEEPEYES_POPE" ;;
-        thyme/vstar) echo "$TAU_THYME_VSTAR" ;;
+        thyme/vstar-*) echo "$TAU_THYME_VSTAR" ;;
         thyme/hr*) echo "$TAU_THYME_HR" ;;
         thyme/pope-*) echo "$TAU_THYME_POPE" ;;
     esac

@@ -130,6 +130,40 @@ def test_a_full_block_fills_its_rows(deepeyes_block):
     assert lines[j + 1].startswith("| SpecReason | paper |")
 
 
+def test_vstar_split_runs_fill_their_own_column_with_their_own_speedup(tmp_path):
+    """A V* run of one category (eval --split) fills that column; its speedup is measured
+    against the agent-only run of the same split, as the released scripts time each split."""
+    runs, walls = [], {}
+    for i, cat in enumerate(VSTAR_CATS):
+        kw = {"data": "vstar_bench", "loader": {"categories": [cat]}, "categories": (cat,),
+              "seed": i}
+        runs.append(_run(tmp_path / f"{cat}-agent", "vstar", "agent", wall=180.0, **kw))
+        walls[cat] = 40.0 + 50 * i
+        runs.append(_run(tmp_path / f"{cat}-spec", "vstar", "speceyes", wall=walls[cat], **kw))
+    table = build_table1(runs)
+    spec, _ = _cells(table, "SpecEyes (min)", "deepeyes")
+    for col, cat in (("vstar_attr", "direct_attributes"), ("vstar_pos", "relative_position")):
+        assert spec[col].ours_speedup == pytest.approx(180.0 / walls[cat])
+        assert not spec[col].pooled_speedup
+        assert spec[col].baseline == str(tmp_path / f"{cat}-agent")
+        assert spec[col].ours_accuracy == pytest.approx(_accuracy(tmp_path / f"{cat}-spec"))
+    assert not table.notes
+
+
+def test_vstar_split_flag_loads_one_category(tmp_path):
+    from speceyes.bench.benchmarks import load_from_args
+    from speceyes.cli import build_parser
+
+    data = tiny_vstar(tmp_path / "vstar", 2)
+    argv = ["eval", "--bench", "vstar", "--data", str(data), "--small", "s", "--large", "l"]
+    args = build_parser().parse_args([*argv, "--split", "relative_position"])
+    _, loader_kw, queries = load_from_args(args)
+    assert loader_kw["categories"] == ["relative_position"]
+    assert {q.category for q in queries} == {"relative_position"}
+    with pytest.raises(ValueError, match="V\\* has no split 'attr'"):
+        load_from_args(build_parser().parse_args([*argv, "--split", "attr"]))
+
+
 def test_runs_are_scored_by_their_own_protocol(tmp_path):
     runs = []
     for protocol in ("fair", "published"):
@@ -266,7 +300,10 @@ def test_the_reproduction_script_runs_valid_commands(tmp_path):
         args = build_parser().parse_args(argv[1:])  # every flag is one eval takes
         assert args.protocol == "published"
         places.add((args.agent, args.bench, args.data, args.split, args.mode, args.tau))
-    assert len(evals) == len(places) == 2 * 6 * 2 + 6  # backbones x splits x modes, + draft
+    assert len(evals) == len(places) == 2 * 7 * 2 + 7  # backbones x splits x modes, + draft
+    assert ("deepeyes", "vstar", "/data/vstar_bench", "relative_position", "speceyes", 0.98) in (
+        places
+    )  # V* one category per run, each timed on its own
     assert ("thyme", "hrbench", "/data/HR-Bench/hr_bench_8k.tsv", None, "speceyes", 0.98) in places
     assert ("deepeyes", "pope", "/data/POPE", "random", "speceyes", 0.97) in places
     table = commands[-1]
@@ -275,7 +312,7 @@ def test_the_reproduction_script_runs_valid_commands(tmp_path):
 
     sharded = _dry_run(tmp_path, SHARDS="2", DRAFT="0")
     merges = [c for c in sharded if c[:2] == ["speceyes", "merge"]]
-    assert len(merges) == 2 * 6 * 2
+    assert len(merges) == 2 * 7 * 2
     for argv in sharded:
         if argv[:2] == ["speceyes", "eval"]:
             assert build_parser().parse_args(argv[1:]).shard.count == 2

@@ -157,7 +157,13 @@ def place_run(run: Run) -> tuple[Placement | None, str]:
         return None, f"agent {agent!r} with mode {mode!r} is no Table 1 row"
     bench = str(config.get("bench") or "")
     if bench == "vstar":
-        return Placement(row, "vstar", {col: cat for cat, col in VSTAR_COLUMNS.items()}), ""
+        cats = (config.get("loader") or {}).get("categories")
+        if not cats or len(cats) > 1:
+            return Placement(row, "vstar", {col: cat for cat, col in VSTAR_COLUMNS.items()}), ""
+        if cats[0] not in VSTAR_COLUMNS:
+            return None, f"V* category {cats[0]!r} is not in Table 1"
+        # one split per run, as the released scripts run it: its own column and its own time
+        return Placement(row, f"vstar/{cats[0]}", {VSTAR_COLUMNS[cats[0]]: ""}), ""
     if bench == "hrbench":
         name = Path(str(config.get("data") or "")).name
         sizes = {m.group(1) for m in _HR_SIZE.finditer(name)}

@@ -40,7 +40,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--shuffle", action="store_true", help="V*: shuffle the options under published too"
     )
     ev.add_argument("--seed", type=int, default=0, help="V*: option shuffle seed")
-    ev.add_argument("--split", default=None, help="POPE: adversarial | popular | random")
+    ev.add_argument(
+        "--split", default=None,
+        help="POPE: adversarial | popular | random; V*: direct_attributes | relative_position "
+        "(one category folder, timed on its own as the released scripts time each split)",
+    )
     ev.add_argument(
         "--image-dir", default=None, help="POPE: the COCO val2014 folder of the original JSONL"
     )
