@@ -334,7 +334,9 @@ class Funnel:
         unreadable = 0
         for i, q in enumerate(queries):
             try:
-                batch.live[i] = replace(q, image=load_image(q.image, copy=False))
+                # the protocol opens it (the published one never EXIF-rotates, and re-encodes
+                # as JPEG where the released script does)
+                batch.live[i] = replace(q, image=self._protocol.open_image(q, self._family))
             except (OSError, ValueError) as e:
                 batch.results[i].error = str(e)
                 unreadable += 1
@@ -427,6 +429,7 @@ class Funnel:
                     max_new_tokens=cfg.max_new_tokens,
                     top_k=cfg.top_k,
                     agg=cfg.agg,
+                    family=self._family,
                 ),
                 msgs,
             )

@@ -404,3 +404,35 @@ def test_thyme_image_paths_are_the_scripts():
     assert "/hr_bench_8k/00000005.jpg" in published_image_path(hr, wide)
     hr.meta["split"] = "hr_bench_4k"
     assert "/hr_bench_4k/" in published_image_path(hr, wide)
+
+
+def test_the_funnel_opens_images_and_budgets_answers_through_the_protocol():
+    """Phases I-II see what the published loops see: the stored (never EXIF-rotated) pixels,
+    and a Thinking small model gets the DeepEyes script's budget (SpecEyes.py:351-352)."""
+    data = _jpeg(_noise(60, 40), orientation=6)
+    query = _q(data, options=["x", "y"], category="direct_attributes")
+
+    class _Thinking(_Small):
+        name = "Qwen3-VL-2B-Thinking"
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.budgets: list[int] = []
+
+        def answer(self, batch, *, max_new_tokens, top_k):
+            self.budgets.append(max_new_tokens)
+            return super().answer(batch, max_new_tokens=max_new_tokens, top_k=top_k)
+
+    from speceyes.agents.published_zoom import PublishedZoomAgent
+
+    seen = {}
+    for protocol in ("fair", "published"):
+        small = _Thinking()
+        agent = PublishedZoomAgent(_Small()) if protocol == "published" else None
+        cfg = FunnelConfig(mode="small", tau=0.5, protocol=protocol, max_new_tokens=20)
+        Funnel(small, None, agent, cfg).run([query])
+        image = next(p["image"] for p in small.seen[0][1]["content"] if p.get("type") == "image")
+        w, h = load_image(image, copy=False).size
+        seen[protocol] = ("landscape" if w > h else "portrait", small.budgets)
+    assert seen["fair"] == ("portrait", [20])  # upright; the asked budget
+    assert seen["published"] == ("landscape", [1024])  # stored pixels; the Thinking budget
