@@ -204,6 +204,22 @@ def test_a_querys_calls_stay_on_one_replica_and_carry_one_session():
     assert len(ids) == 12
 
 
+def test_recent_requests_name_each_calls_replica_key_and_usage():
+    with StandIn() as a, StandIn() as b:
+        with OpenAIBackend([a.url, b.url]) as be:
+            be.check_servers()  # not a model call: not recorded
+            for seed in range(4):
+                _query_calls(be, _noise(seed))
+            records = be.recent_requests()
+    assert [r.what for r in records] == ["next token", "chat"] * 4
+    served = {url: len(s.calls) for url, s in ((a.url, a), (b.url, b)) if s.calls}
+    assert {url: sum(r.url == url for r in records) for url in served} == served
+    for judge, turn in zip(records[::2], records[1::2], strict=True):
+        assert (judge.url, judge.key) == (turn.url, turn.key) and judge.key is not None
+    # the stand-in's usage names no cached tokens
+    assert {(r.prompt_tokens, r.cached_tokens, r.completion_tokens) for r in records} == {(1, None, 1)}
+
+
 def test_no_session_header_unless_asked():
     with StandIn() as a:
         with OpenAIBackend(a.url) as be:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import numpy as np
 import pytest
 import torch
 
 from speceyes import gate, prompts
-from speceyes.backends.base import cut_at_stop, first_token_ids
+from speceyes.backends.base import context_limit, cut_at_stop, first_token_ids
 from speceyes.backends.hf import HFBackend, ModelLoadError
 from speceyes.judging import NO_VARIANTS, YES_VARIANTS, decode_rule_p_tool, tool_probability
 from tests.conftest import make_scene
@@ -162,3 +165,59 @@ def test_unknown_model_path_is_a_clear_error(tmp_path):
         HFBackend(tmp_path / "nope")
     with pytest.raises(ModelLoadError, match="no config.json"):
         HFBackend(tmp_path)
+
+
+# ---- the context length it declares --------------------------------------------------------
+
+FOLDERS = {  # fixture -> (folders fixture, family)
+    "q25": ("tiny_dirs", "qwen2_5_vl"),
+    "q3": ("tiny_dirs", "qwen3_vl"),
+    "real_q25": ("real_dirs", "qwen2_5_vl"),
+    "real_q3": ("real_dirs", "qwen3_vl"),
+}
+
+
+def _declared_lengths(folder) -> tuple[int, int | None]:
+    """The folder's own files: the text model's positions and the tokenizer's length (None
+    where it writes transformers' "no limit" sentinel, about 1e30, or nothing)."""
+    config = json.loads((folder / "config.json").read_text())
+    positions = config.get("text_config", config)["max_position_embeddings"]
+    length = json.loads((folder / "tokenizer_config.json").read_text()).get("model_max_length")
+    return positions, length if isinstance(length, int) and length < 10**18 else None
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_max_model_len_is_the_checkpoints_context(request, name):
+    be: HFBackend = request.getfixturevalue(name)
+    dirs, family = FOLDERS[name]
+    positions, length = _declared_lengths(request.getfixturevalue(dirs)[family])
+    want = positions if length is None else min(positions, length)
+    assert be.max_model_len == want and context_limit(be) == want
+
+
+def test_a_tighter_tokenizer_length_is_the_limit(tiny_dirs, tmp_path):
+    folder = shutil.copytree(tiny_dirs["qwen2_5_vl"], tmp_path / "q25")
+    tok_config = folder / "tokenizer_config.json"
+    settings = json.loads(tok_config.read_text())
+    positions, _ = _declared_lengths(folder)
+    settings["model_max_length"] = positions // 2
+    tok_config.write_text(json.dumps(settings))
+    assert HFBackend(folder).max_model_len == positions // 2
+
+
+def test_the_context_budget_ends_only_the_loop_that_would_not_fit(q25):
+    """Agent loops on transformers read the declared length: a question longer than the
+    model's positions ends its loop before the turn, the other runs."""
+    from speceyes.agents.zoom import ZoomAgent
+    from speceyes.types import Query
+
+    long_question = "Describe the square. " * (q25.max_model_len // 2)
+    queries = [
+        Query(id="short", image=make_scene(), question="What color is the square?"),
+        Query(id="long", image=make_scene(), question=long_question),
+    ]
+    agent = ZoomAgent(q25, max_new_tokens=4, max_tool_calls=1)
+    short, long = agent.run(queries)
+    assert short.error is None and short.turns >= 1
+    assert long.error is None and long.turns == 0 and agent.context_budget_ends == 1
+    assert [t["reason"] for t in long.trace if t["type"] == "limit"] == ["context budget"]

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from speceyes import gate, prompts
+from speceyes.backends.base import context_limit
 from speceyes.judging import tool_probability
 from tests.conftest import make_scene
 from tests.tools.backend_contract import assert_backend_contract
@@ -26,6 +27,9 @@ FAMILY_MODELS = {  # family -> build_tiny_model keyword arguments
 }
 TEXT_HIDDEN = 128  # 4 heads of 32: the smallest head size vLLM's CPU attention supports
 TOP_K = 20
+# The engines' context length: below the tiny checkpoints' 4096 positions, so that the
+# backend's max_model_len is seen to be the engine's, not the checkpoint's.
+ENGINE_MAX_MODEL_LEN = 2048
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +56,7 @@ def pair(request, tiny_h128):
         dtype="float32",
         min_pixels=hf.min_pixels,
         max_pixels=hf.max_pixels,
-        **engine_kwargs(),
+        **{**engine_kwargs(), "max_model_len": ENGINE_MAX_MODEL_LEN},
     )
     try:
         yield hf, engine
@@ -141,3 +145,23 @@ def test_chat_and_a_mixed_batch_with_a_continued_turn(pair):
     alone = engine.chat([cont], max_new_tokens=4)
     assert mixed[1].text == alone[0].text  # the continued turn went in its own call
     assert mixed[0].text == mixed[2].text == engine.chat([plain], max_new_tokens=4)[0].text
+
+
+def test_max_model_len_is_the_engines_and_bounds_agent_loops(pair):
+    """The engine's context length reaches agent loops: a question that would not fit ends
+    its loop before the turn (the engine would refuse the whole batch), the other runs."""
+    from speceyes.agents.zoom import ZoomAgent
+    from speceyes.types import Query
+
+    hf, engine = pair
+    assert engine.max_model_len == context_limit(engine) == ENGINE_MAX_MODEL_LEN
+    assert hf.max_model_len is not None and hf.max_model_len > ENGINE_MAX_MODEL_LEN
+    queries = [
+        Query(id="short", image=make_scene(), question="What color is the square?"),
+        Query(id="long", image=make_scene(), question="Describe the square. " * 1024),
+    ]
+    agent = ZoomAgent(engine, max_new_tokens=4, max_tool_calls=1)
+    short, long = agent.run(queries)
+    assert short.error is None and short.turns >= 1
+    assert long.error is None and long.turns == 0 and agent.context_budget_ends == 1
+    assert [t["reason"] for t in long.trace if t["type"] == "limit"] == ["context budget"]

@@ -26,6 +26,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -53,6 +54,8 @@ START_TIMEOUT = float(os.environ.get("SPECEYES_VLLM_START_TIMEOUT", "300"))
 # The family's widest limits (4..16384 merged 28x28 patches): the server leaves the client's
 # already resized images as they are.
 SERVER_PIXELS = {"min_pixels": 4 * 28 * 28, "max_pixels": 16384 * 28 * 28}
+# One sample of a counter in Prometheus' text format: name{labels} value.
+_COUNTER_SAMPLE = re.compile(r"^(?P<name>[A-Za-z_:][A-Za-z0-9_:]*_total)(?:\{[^}]*\})? (?P<value>\S+)$")
 # Loopback only: never through a proxy named in the environment.
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
@@ -135,6 +138,18 @@ class VLLMServer:
     def get(self, path: str, timeout: float = 5.0) -> tuple[int, str]:
         with _NO_PROXY.open(self.root + path, timeout=timeout) as r:
             return r.status, r.read().decode("utf-8", "replace")
+
+    def counters(self) -> dict[str, float]:
+        """Every counter ``/metrics`` shows (``vllm:..._total``), summed over its labels."""
+        status, text = self.get("/metrics")
+        assert status == 200, f"/metrics answered {status}"
+        totals: dict[str, float] = {}
+        for line in text.splitlines():
+            sample = _COUNTER_SAMPLE.match(line)
+            if sample:
+                name = sample["name"]
+                totals[name] = totals.get(name, 0.0) + float(sample["value"])
+        return totals
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -242,6 +257,22 @@ def vllm_server(tmp_path_factory) -> Iterator[VLLMServer]:
             yield server
         finally:
             server.stop()
+
+
+@contextmanager
+def session_server_and_replica(request: Any, log: Path) -> Iterator[list[VLLMServer]]:
+    """Two replicas of the served model: the session's server (``vllm_server``) and a second,
+    started with the same command line and stopped on leaving (also on an interrupt). The
+    second is launched before the session's server is asked for, so when that one is not up
+    yet both start together (one start-up's wait)."""
+    require_vllm_venv()
+    with _sigterm_as_interrupt():
+        second = launch_server(SERVED_MODEL, log)
+        try:
+            first = request.getfixturevalue("vllm_server")
+            yield [first, wait_ready(second)]
+        finally:
+            second.stop()
 
 
 # ---- offline engines (need ``import vllm``: run under .venv-vllm/bin/python) -------------------

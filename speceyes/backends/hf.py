@@ -51,6 +51,23 @@ def chat_template_file(model: str | Path) -> str | None:
     return template if isinstance(template, str) and template else None
 
 
+def declared_context_length(config: Any, tokenizer: Any) -> int | None:
+    """The tokens (prompt and reply) one sequence may hold, as the checkpoint declares it: its
+    text model's ``max_position_embeddings`` (the positions it was built for), or the
+    tokenizer's ``model_max_length`` where that is smaller; None where neither is declared.
+    transformers runs past either without an error, the model's output degrading instead."""
+    from transformers.tokenization_utils_base import VERY_LARGE_INTEGER
+
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    limits = [
+        getattr(text, "max_position_embeddings", None),
+        # The tokenizer's default when its config names no length: not a limit.
+        getattr(tokenizer, "model_max_length", None),
+    ]
+    real = [int(n) for n in limits if isinstance(n, int) and 0 < n < VERY_LARGE_INTEGER]
+    return min(real, default=None)
+
+
 class HFBackend:
     """A Qwen-VL checkpoint run in this process with transformers."""
 
@@ -122,6 +139,8 @@ class HFBackend:
         self.scores: Scores = "logits"
         self.max_images: int | None = None
         self.max_logprobs: int | None = None
+        # Agent loops end a conversation that would outgrow it (``base.context_limit``).
+        self.max_model_len = declared_context_length(config, self.tokenizer)
 
         tok = self.tokenizer
         tok.padding_side = "left"

@@ -19,6 +19,10 @@ the key also goes out as that HTTP header (e.g. ``X-Session-Id``) for a gateway 
 session. A replica that fails (connection error, timeout, 5xx, 429) is set aside for a short,
 growing cool-down and the request is retried elsewhere, with exponential backoff once no
 healthy replica is left; after ``max_retries`` retries a ``BackendError`` names the URLs.
+``recent_requests()`` lists the last model calls: the replica that answered each, its affinity
+key and the token usage the server reported (cached prompt tokens where the server reports them:
+vLLM with ``--enable-prompt-tokens-details``), so a run can see where its calls went and what
+the prefix caches saved.
 
 Which model: ``model`` names it (a gateway behind one URL may serve several: Ray Serve LLM,
 SGLang's router, llm-d, Dynamo); unnamed, the one model ``/v1/models`` lists. A server that lists
@@ -60,7 +64,7 @@ import threading
 import time
 import urllib.parse
 import weakref
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -94,6 +98,21 @@ _SERVER_NEG_INF = -9999.0
 # The start-up probe: one generated token of a tiny text-only prompt.
 _PROBE_MESSAGES = [{"role": "user", "content": "Answer yes or no: is the sky blue?"}]
 MODEL_FRAGMENT = "model"  # URL#model=ID names the model behind a URL
+RECENT_REQUESTS = 1024  # model calls recent_requests() keeps, newest last
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """One model call as it was answered: the replica (base URL), what it was ("next token",
+    "answer", "chat"), the affinity key it was routed by, and the usage the server reported
+    (None: not reported)."""
+
+    url: str
+    what: str
+    key: int | None
+    prompt_tokens: int | None
+    cached_tokens: int | None  # of prompt_tokens, served from the server's prefix cache
+    completion_tokens: int | None
 
 
 @dataclass(frozen=True)
@@ -239,6 +258,8 @@ class OpenAIBackend:
         self._uri_cache: OrderedDict[int, tuple[weakref.ref, str]] = OrderedDict()
         self._key_cache: OrderedDict[str, int] = OrderedDict()
         self._cache_lock = threading.Lock()
+        self._recent: deque[RequestRecord] = deque(maxlen=RECENT_REQUESTS)
+        self._recent_lock = threading.Lock()
 
     # ---- event loop and replicas ----------------------------------------------------------
     def _ensure_loop(self) -> asyncio.AbstractEventLoop:
@@ -335,6 +356,26 @@ class OpenAIBackend:
             for r in self._replicas
         ]
 
+    def recent_requests(self) -> list[RequestRecord]:
+        """The last ``RECENT_REQUESTS`` model calls, oldest first (start-up checks and model
+        listings are not model calls)."""
+        with self._recent_lock:
+            return list(self._recent)
+
+    def _record(self, url: str, what: str, key: int | None, resp: Any) -> None:
+        usage = getattr(resp, "usage", None)
+        details = getattr(usage, "prompt_tokens_details", None)
+        record = RequestRecord(
+            url=url,
+            what=what,
+            key=key,
+            prompt_tokens=_count(getattr(usage, "prompt_tokens", None)),
+            cached_tokens=_count(getattr(details, "cached_tokens", None)),
+            completion_tokens=_count(getattr(usage, "completion_tokens", None)),
+        )
+        with self._recent_lock:
+            self._recent.append(record)
+
     def _retryable(self, e: Exception) -> bool:
         o = self._openai
         if isinstance(e, (o.APITimeoutError, o.APIConnectionError)):
@@ -388,6 +429,8 @@ class OpenAIBackend:
                 rep.inflight -= 1
             rep.failures, rep.down_until = 0, 0.0
             rep.served += counted
+            if counted:
+                self._record(rep.url, what, key, out)
             return out
         urls = ", ".join(dict.fromkeys(u for u, _ in errors))
         last = errors[-1][1].rstrip(".")
@@ -791,6 +834,11 @@ def _stop_loop(loop: asyncio.AbstractEventLoop) -> None:
 def _finite(x: float | None) -> float:
     """A logprob as a float; None (some servers for -inf) and vLLM's -9999.0 become -inf."""
     return -math.inf if x is None or x <= _SERVER_NEG_INF else float(x)
+
+
+def _count(x: Any) -> int | None:
+    """A token count from a server's usage object; None where it gives none."""
+    return int(x) if isinstance(x, int) and not isinstance(x, bool) else None
 
 
 def _short(e: BaseException, limit: int = 300) -> str:

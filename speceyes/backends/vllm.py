@@ -117,6 +117,9 @@ class VLLMBackend:
                 raise
             raise error from e
         self.tokenizer = self.llm.get_tokenizer()
+        # The engine's context length (its max_model_len argument, else the model's own):
+        # agent loops end a conversation that would outgrow it (``base.context_limit``).
+        self.max_model_len: int | None = engine_context_length(self.llm)
 
     def view_of(self, image: Any) -> View:
         img = load_image(image)
@@ -201,6 +204,14 @@ class VLLMBackend:
 
 
 # ---- the engine's outputs, read without the engine ---------------------------------------------
+def engine_context_length(llm: Any) -> int | None:
+    """The tokens (prompt and reply) one request to an ``LLM`` may hold: its engine's
+    ``model_config.max_model_len``; None where the engine does not say."""
+    config = getattr(getattr(llm, "llm_engine", None), "model_config", None)
+    length = getattr(config, "max_model_len", None)
+    return int(length) if isinstance(length, int) and length > 0 else None
+
+
 def engine_messages(
     messages: Messages, factor: int, min_pixels: int, max_pixels: int
 ) -> list[dict[str, Any]]:
