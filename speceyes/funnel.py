@@ -296,7 +296,7 @@ class Batch:
     cascade_accepted: dict[int, str] = field(default_factory=dict)
     to_agent: list[int] = field(default_factory=list)  # IV: the queries the agent runs
 
-    def open(self, everyone: bool) -> list[int]:
+    def still_open(self, everyone: bool) -> list[int]:
         """The live queries a cascade stage runs on: all (``both``) or those not yet accepted."""
         if everyone:
             return list(self.live)
@@ -396,7 +396,7 @@ class Funnel:
         if plan.agent == "all":
             batch.to_agent = list(batch.live)
         elif plan.agent == "rest":
-            batch.to_agent = batch.open(everyone=False)
+            batch.to_agent = batch.still_open(everyone=False)
         needs_agent = set(batch.to_agent)
         for i in range(len(batch.results)):
             if i not in needs_agent:
@@ -592,9 +592,9 @@ class Funnel:
         everyone = self.plan.agent == "all"
         self._small_stage(batch)
         if cfg.speculate_depth:
-            self._deepen(batch, batch.open(everyone))
+            self._deepen(batch, batch.still_open(everyone))
         if cfg.middle_tier:
-            self._middle(batch, batch.open(everyone))
+            self._middle(batch, batch.still_open(everyone))
 
     def _small_stage(self, batch: Batch) -> None:
         """Stage small@0's record: phases II and III as they ran (accepted: by phase III)."""

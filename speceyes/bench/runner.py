@@ -144,9 +144,7 @@ def summarize(records: list[dict[str, Any]], bench: str) -> dict[str, Any]:
     beta, alpha = beta_alpha_of(records)
     # The cascade's steps count where they ran (a two-stage funnel's keys are as before).
     ran = [p for p in CASCADE_PHASES if any(p in r["timings"] for r in records)]
-    phase_time = {
-        p: float(sum(r["timings"].get(p, 0.0) for r in records)) for p in (*PHASES, *ran)
-    }
+    phase_time = {p: float(sum(r["timings"].get(p, 0.0) for r in records)) for p in (*PHASES, *ran)}
     total = sum(phase_time.values())
     return {
         "metrics": metrics,
