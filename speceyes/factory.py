@@ -157,6 +157,9 @@ class Settings:
             overlap=bool(arg("overlap", f.overlap)),
             max_agent_loops=arg("max_agent_loops", f.max_agent_loops),
             protocol=arg("protocol", f.protocol),
+            speculate_depth=arg("speculate_depth", f.speculate_depth),
+            middle_tier=bool(arg("middle_tier", f.middle_tier)),
+            small_agent=arg("small_agent"),
         )
         b = BackendSettings
         settings = cls(
@@ -276,6 +279,7 @@ class Settings:
             setup_of,
         )
 
+        source = None if isinstance(cal, Calibration) else cal
         if not isinstance(cal, Calibration):
             cal = read_calibration(cal)
         check_calibration(cal, setup_of(self))
@@ -290,6 +294,7 @@ class Settings:
             judge_threshold=f.judge_threshold
             if cal.judge_threshold is None
             else cal.judge_threshold,
+            stage_taus=f.stage_taus if f.stage_taus is not None else _stage_taus(source),
         )
         return replace(self, funnel=funnel)
 
@@ -330,6 +335,19 @@ def _with_model(spec: str | None, model: str | None) -> str | None:
     from speceyes.backends.openai import with_model
 
     return with_model(spec, model)
+
+
+def _stage_taus(path: str | os.PathLike[str] | None) -> dict[str, float] | None:
+    """A cascade calibration file's per-stage thresholds (its "stages"); None for a file of
+    the two-stage funnel (or a calibration given as a record)."""
+    if path is None:
+        return None
+    raw = json.loads(Path(path).read_text(encoding="utf-8"))
+    if not isinstance(raw, dict) or "stages" not in raw:
+        return None
+    from speceyes.bench.cascade_calibration import read_stage_taus
+
+    return read_stage_taus(raw) or None
 
 
 def _first(value: Any, default: Any) -> Any:
@@ -450,7 +468,8 @@ def assemble_funnel(
     # Servers are checked once before the run (their model, context length and, for the
     # small model, the finite top logprobs the gate reads), not mid-run by a failed query.
     checked: list[Backend] = []
-    for backend, top_k in ((small, config.top_k), (large, None)):
+    large_top_k = config.top_k if config.middle_tier else None  # the middle tier is gated
+    for backend, top_k in ((small, config.top_k), (large, large_top_k)):
         check = getattr(backend, "check_servers", None)
         if check is not None and all(backend is not b for b in checked):
             check(top_k)

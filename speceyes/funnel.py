@@ -15,6 +15,13 @@ baselines are modes of the same funnel, each a row of :data:`PLANS`: ``agent`` (
 query, routed as ``speceyes`` would, so any gate setting can be replayed offline from the logs).
 A query's route is decided once, by :func:`route_of`, when its result is final.
 
+The cascade (docs/cascade.md; off by default, which is the paper's funnel) adds stages between
+III and IV, each gated by the same score against its own threshold (``stage_taus``, else
+``tau``): ``_deepen``, the small model's own short tool loop (``speculate_depth`` calls, stages
+``small@1``..), answered and gated after every call; then ``_middle``, the large model's direct
+answer on the full image (``middle_tier``, stage ``large_direct``). The first stage whose gate
+passes answers the query; the rest go on to IV, whose agent starts from scratch.
+
 Three schedules compose the same steps and give the same results for the same inputs under
 greedy decoding:
 
@@ -60,7 +67,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from speceyes import gate, prompts, protocols
+from speceyes import cascade, gate, prompts, protocols
 from speceyes.agents.base import EMPTY, END, Agent, LoopAgent, drive_loops
 from speceyes.backends.base import Backend, BackendError, per_item
 from speceyes.images import MIN_PIXELS, load_image, resize_for_model
@@ -69,14 +76,18 @@ from speceyes.rates import beta_alpha
 from speceyes.types import (  # the funnel's vocabulary, re-exported for older imports
     AGENT_ONLY_MODES,
     JUDGES,
+    LARGE_DIRECT_STAGE,
     MODES,
     SCHEDULES,
+    SMALL_STAGE_PREFIX,
     Mode,
     Query,
     Result,
     Route,
     Schedule,
     SpecAnswer,
+    small_stage,
+    stage_route,
 )
 
 # The judge question as one more user turn after a shared prefix: the published judge's
@@ -102,6 +113,25 @@ class FunnelConfig:
     overlap: bool = False
     max_agent_loops: int = 32
     protocol: str = "fair"  # or "published": the authors' prompts and rules (protocols.py)
+    # ---- the cascade (docs/cascade.md); these defaults are the paper's two-stage funnel
+    speculate_depth: int = 0  # the small model's own tool calls, gated after each (small@d)
+    middle_tier: bool = False  # the large model's direct answer, gated (large_direct)
+    small_agent: str | None = None  # the small model's loop; None: cascade.default_small_agent
+    stage_taus: dict[str, float] | None = None  # a threshold per stage; a stage not named: tau
+
+    @property
+    def cascade(self) -> bool:
+        """Whether any stage beyond the paper's speculative answer runs."""
+        return self.speculate_depth > 0 or self.middle_tier
+
+    def stages(self) -> tuple[str, ...]:
+        """The gated stages, in cascade order."""
+        deep = tuple(small_stage(d) for d in range(self.speculate_depth + 1))
+        return deep + ((LARGE_DIRECT_STAGE,) if self.middle_tier else ())
+
+    def stage_tau(self, stage: str) -> float:
+        """The threshold ``stage``'s gate accepts above."""
+        return (self.stage_taus or {}).get(stage, self.tau)
 
     def validate(self) -> None:
         protocols.check_protocol(self.protocol)
@@ -127,9 +157,43 @@ class FunnelConfig:
                 )
             if self.judge_max_pixels < MIN_PIXELS:
                 raise ValueError(f"judge_max_pixels must be >= {MIN_PIXELS}")
+        self._validate_cascade()
+
+    def _validate_cascade(self) -> None:
+        if self.speculate_depth < 0:
+            raise ValueError("speculate_depth must be at least 0")
+        if self.small_agent is not None and self.small_agent not in cascade.SMALL_AGENTS:
+            raise ValueError(
+                f"unknown small agent {self.small_agent!r}; choose from "
+                f"{', '.join(cascade.SMALL_AGENTS)}"
+            )
+        if self.cascade and PLANS[self.mode].gate != "accept":
+            raise ValueError(
+                f"the cascade (speculate_depth, middle_tier) gates answers: modes "
+                f"{', '.join(m for m, p in PLANS.items() if p.gate == 'accept')}, not {self.mode!r}"
+            )
+        for stage, tau in (self.stage_taus or {}).items():
+            if not stage.startswith(SMALL_STAGE_PREFIX) and stage != LARGE_DIRECT_STAGE:
+                raise ValueError(f"stage_taus: unknown stage {stage!r}")
+            if not 0.0 <= tau <= 1.0:
+                raise ValueError(f"stage_taus: {stage} must be in [0, 1], got {tau}")
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """Its fields; the cascade's only where they differ from the defaults, so a two-stage
+        funnel's run configuration reads (and resumes) as before the cascade existed."""
+        out = asdict(self)
+        for name, default in CASCADE_DEFAULTS.items():
+            if out[name] == default:
+                del out[name]
+        return out
+
+
+CASCADE_DEFAULTS: dict[str, Any] = {
+    "speculate_depth": 0,
+    "middle_tier": False,
+    "small_agent": None,
+    "stage_taus": None,
+}
 
 
 @dataclass
@@ -142,6 +206,10 @@ class FunnelStats:
     accepted: int = 0
     blank: int = 0  # judged tool-free answers that were empty or whitespace (never accepted)
     errors: int = 0
+    # The cascade, per stage: the queries it answered, and those whose final answer it gave
+    # (the first stage whose gate passed); empty without a cascade.
+    stage_runs: dict[str, int] = field(default_factory=dict)
+    stage_accepted: dict[str, int] = field(default_factory=dict)
 
     @property
     def beta(self) -> float | None:
@@ -195,6 +263,10 @@ def route_of(mode: str, result: Result, *, failed: bool, accepted: bool) -> Rout
         return "specreason" if mode == "specreason" else "agent_only"
     if accepted:
         return "small"
+    # The cascade: the first stage whose gate passed (its small@0 is ``accepted``).
+    stage = next((s["stage"] for s in result.stages if s["accepted"]), None)
+    if stage is not None:
+        return stage_route(stage)
     return "agent_after_judge" if result.judge_tool else "agent_after_gate"
 
 
@@ -204,6 +276,8 @@ def _answer_of(result: Result) -> str:
         return result.small_answer or ""
     if result.route == "error":
         return ""
+    if result.route in ("small_deep", "large_direct"):
+        return result.stage_answer() or ""
     return result.agent_answer or ""
 
 
@@ -218,7 +292,15 @@ class Batch:
     tool_free: list[int] = field(default_factory=list)  # I: judged tool-free
     answers: dict[int, SpecAnswer] = field(default_factory=dict)  # II: speculative answers
     accepted: set[int] = field(default_factory=set)  # III: answered by the small model
+    # The cascade: accepted at a stage past small@0 (index -> its first such stage).
+    cascade_accepted: dict[int, str] = field(default_factory=dict)
     to_agent: list[int] = field(default_factory=list)  # IV: the queries the agent runs
+
+    def still_open(self, everyone: bool) -> list[int]:
+        """The live queries a cascade stage runs on: all (``both``) or those not yet accepted."""
+        if everyone:
+            return list(self.live)
+        return [i for i in self.live if i not in self.accepted and i not in self.cascade_accepted]
 
 
 class Funnel:
@@ -228,7 +310,10 @@ class Funnel:
         large: Backend | None,
         agent: Agent | None,
         config: FunnelConfig | None = None,
+        speculation: cascade.Speculation | None = None,
     ) -> None:
+        """``speculation``: the small model's loop for ``speculate_depth`` (default: built by
+        ``cascade.make_speculation`` for ``small_agent``, with the agent's settings)."""
         self.config = config or FunnelConfig()
         if self.config.tau is None:  # the agent's own threshold (the base one without an agent)
             default = getattr(agent, "default_tau", LoopAgent.default_tau)
@@ -253,6 +338,13 @@ class Funnel:
                 "(the Thyme agent's names a per-run sandbox file); use large, small, "
                 "small-prefix or none"
             )
+        self.speculation = speculation
+        cfg = self.config
+        if cfg.speculate_depth and speculation is None:
+            if small is None:
+                raise ValueError("speculate_depth needs the small model")
+            kind = cfg.small_agent or cascade.default_small_agent(name)
+            self.speculation = cascade.make_speculation(kind, small, cfg.speculate_depth, agent)
         self.stats = FunnelStats()
         self._stats_lock = threading.Lock()
 
@@ -299,10 +391,12 @@ class Funnel:
             self._speculate(batch, list(batch.live))
         if plan.gate:
             self._gate(batch)
+        if self.config.cascade:
+            self._cascade(batch)
         if plan.agent == "all":
             batch.to_agent = list(batch.live)
         elif plan.agent == "rest":
-            batch.to_agent = [i for i in batch.live if i not in batch.accepted]
+            batch.to_agent = batch.still_open(everyone=False)
         needs_agent = set(batch.to_agent)
         for i in range(len(batch.results)):
             if i not in needs_agent:
@@ -483,7 +577,8 @@ class Funnel:
                     r.timings.pop("gate", None)
                     r.trace = [s for s in r.trace if s["type"] != "small"]
         results = batch.results
-        accepted = [i for i in batch.tool_free if gate.accept(results[i].confidence, cfg.tau)]
+        tau = cfg.stage_tau(small_stage(0))
+        accepted = [i for i in batch.tool_free if gate.accept(results[i].confidence, tau)]
         batch.accepted = set(accepted)
         blank = sum(
             1
@@ -491,6 +586,155 @@ class Funnel:
             if i in batch.answers and gate.is_blank(results[i].small_answer)
         )
         self._count(tool_free=len(batch.tool_free), accepted=len(accepted), blank=blank)
+
+    # ---- the cascade, between III and IV (docs/cascade.md) ---------------------------------
+    def _cascade(self, batch: Batch) -> None:
+        """The stages past the paper's gate: the small model's speculation depth by depth,
+        then the middle tier; in ``both`` every stage runs for every query."""
+        cfg = self.config
+        everyone = self.plan.agent == "all"
+        self._small_stage(batch)
+        if cfg.speculate_depth:
+            self._deepen(batch, batch.still_open(everyone))
+        if cfg.middle_tier:
+            self._middle(batch, batch.still_open(everyone))
+
+    def _small_stage(self, batch: Batch) -> None:
+        """Stage small@0's record: phases II and III as they ran (accepted: by phase III)."""
+        stage, tau = small_stage(0), self.config.stage_tau(small_stage(0))
+        for i, r in enumerate(batch.results):
+            if i not in batch.live or "small" not in r.timings:  # not asked, or discarded
+                continue
+            seconds = r.timings["small"] + r.timings.get("gate", 0.0)
+            if i in batch.answers:
+                record = cascade.stage_record(
+                    stage, r.small_answer, r.confidence, i in batch.accepted, tau, seconds
+                )
+            else:
+                error = next(s["error"] for s in r.trace if s["type"] == "small_error")
+                record = cascade.stage_record(stage, None, None, False, tau, seconds, error=error)
+            r.stages.append(record)
+
+    def _deepen(self, batch: Batch, idx: Sequence[int]) -> None:
+        """Stages small@1..small@n: the small model's own loop, one tool call at a time; after
+        each call it answers on what it last saw, gated at that stage's tau. A loop stops at
+        its first accepted answer (``both``: at the end of its loop)."""
+        cfg, spec = self.config, self.speculation
+        everyone = self.plan.agent == "all"
+        loops: dict[int, Any] = {}
+        for i in idx:
+            try:
+                loops[i] = spec.start(batch.live[i])
+            except Exception as e:  # this query's input broke the loop: only this one
+                self._fail(batch, i, e)
+        active = [i for i in loops if spec.can_go(loops[i])]
+        for depth in range(1, cfg.speculate_depth + 1):
+            if not active:
+                return
+            stage = small_stage(depth)
+            t0 = time.perf_counter()
+            try:
+                errors = per_item(
+                    lambda ls: (spec.step(ls), [None] * len(ls))[1], [loops[i] for i in active]
+                )
+            except BackendError as e:
+                errors = [e] * len(active)
+            step = (time.perf_counter() - t0) / len(active)
+            moved: list[int] = []
+            for i, e in zip(active, errors, strict=True):
+                if isinstance(e, BackendError):  # no answer at this depth: the loop ends here
+                    record = cascade.stage_record(
+                        stage, None, None, False, cfg.stage_tau(stage), step, error=str(e)
+                    )
+                    batch.results[i].stages.append(record)
+                    _add_time(batch.results[i], "small_deep", step)
+                elif e is not None:
+                    self._fail(batch, i, e)
+                elif spec.tool_calls(loops[i]) >= depth:  # else it stopped: nothing new seen
+                    moved.append(i)
+            views = {i: spec.seen(loops[i]) for i in moved}
+            moved, msgs = self._messages(
+                partial(self._protocol.small_messages, self._family),
+                batch,
+                moved,
+                image=lambda i, q, views=views: views[i],
+            )
+            calls = {i: spec.tool_calls(loops[i]) for i in moved}
+            passed = self._stage(batch, stage, self.small, moved, msgs, "small_deep", step, calls)
+            active = [
+                i
+                for i in moved
+                if i in batch.live and spec.can_go(loops[i]) and (everyone or i not in passed)
+            ]
+
+    def _middle(self, batch: Batch, idx: Sequence[int]) -> None:
+        """Stage large_direct: the large model's answer on the full image with the
+        speculative-answer prompt, no tools, gated at its own tau."""
+        build = partial(self._protocol.small_messages, self._family)
+        idx, msgs = self._messages(build, batch, idx)
+        self._stage(batch, LARGE_DIRECT_STAGE, self.large, idx, msgs, LARGE_DIRECT_STAGE)
+
+    def _stage(
+        self,
+        batch: Batch,
+        stage: str,
+        backend: Backend,
+        idx: Sequence[int],
+        msgs: Sequence[list[dict]],
+        timing: str,
+        before: float = 0.0,
+        tool_calls: dict[int, int] | None = None,
+    ) -> set[int]:
+        """One gated stage for ``idx``: ``backend``'s answers to ``msgs`` with their top-K
+        logits, the gate's confidence, each query's stage record; returns the queries whose
+        gate passed. ``before``: seconds each query already spent on this stage (its loop's
+        step)."""
+        cfg = self.config
+        if not idx:
+            return set()
+        tau = cfg.stage_tau(stage)
+        t0 = time.perf_counter()
+        try:
+            got = per_item(
+                lambda m: self._protocol.answers(
+                    backend, m, max_new_tokens=cfg.max_new_tokens, top_k=cfg.top_k, agg=cfg.agg
+                ),
+                list(msgs),
+            )
+        except BackendError as e:
+            got = [e] * len(idx)
+        answered = [(i, a) for i, a in zip(idx, got, strict=True) if not isinstance(a, Exception)]
+        confidence: dict[int, float | None] = {}
+        if answered:
+            scores = self._protocol.confidence(
+                backend, [a for _, a in answered], top_k=cfg.top_k, agg=cfg.agg, scale=cfg.scale
+            )
+            for (i, _), c in zip(answered, scores, strict=True):
+                confidence[i] = None if np.isnan(c) else float(c)
+        seconds = before + (time.perf_counter() - t0) / len(idx)
+        passed = set()
+        calls = tool_calls or {}
+        for i, a in zip(idx, got, strict=True):
+            r = batch.results[i]
+            if isinstance(a, BackendError):
+                record = cascade.stage_record(
+                    stage, None, None, False, tau, seconds, calls.get(i, 0), error=str(a)
+                )
+            elif isinstance(a, Exception):
+                self._fail(batch, i, a)
+                continue
+            else:
+                ok = gate.accept(confidence[i], tau)
+                record = cascade.stage_record(
+                    stage, a.text, confidence[i], ok, tau, seconds, calls.get(i, 0)
+                )
+                if ok:
+                    passed.add(i)
+                    if i not in batch.accepted:
+                        batch.cascade_accepted.setdefault(i, stage)
+            r.stages.append(record)
+            _add_time(r, timing, seconds)
+        return passed
 
     # ---- phase IV -------------------------------------------------------------------------
     def _agent(self, batch: Batch) -> None:
@@ -527,19 +771,40 @@ class Funnel:
         failed, accepted = i not in batch.live, i in batch.accepted
         r.route = route_of(self.config.mode, r, failed=failed, accepted=accepted)
         r.answer = _answer_of(r)
+        if r.stages:
+            self._count_stages(r)
         return r
 
+    def _count_stages(self, r: Result) -> None:
+        """Add a final result's stages to the per-stage counts."""
+        answered_by = next((s["stage"] for s in r.stages if s["accepted"]), None)
+        if r.route == "error":
+            answered_by = None
+        with self._stats_lock:
+            for s in r.stages:
+                runs = self.stats.stage_runs
+                runs[s["stage"]] = runs.get(s["stage"], 0) + 1
+            if answered_by is not None:
+                acc = self.stats.stage_accepted
+                acc[answered_by] = acc.get(answered_by, 0) + 1
+
     def _messages(
-        self, build: Callable[..., list[dict]], batch: Batch, idx: Sequence[int]
+        self,
+        build: Callable[..., list[dict]],
+        batch: Batch,
+        idx: Sequence[int],
+        image: Callable[[int, Query], Any] | None = None,
     ) -> tuple[list[int], list[list[dict]]]:
-        """Prompts of the live queries in ``idx``; a query whose prompt cannot be built fails."""
+        """Prompts of the live queries in ``idx`` (on ``image(i, query)``, default the query's
+        image); a query whose prompt cannot be built fails."""
         kept, msgs = [], []
         for i in idx:
             q = batch.live.get(i)  # gone: failed in a phase running beside this one
             if q is None:
                 continue
             try:
-                msgs.append(build(q.image, q.question, q.options))
+                view = q.image if image is None else image(i, q)
+                msgs.append(build(view, q.question, q.options))
             except Exception as e:
                 self._fail(batch, i, e)
                 continue
@@ -628,6 +893,10 @@ class Funnel:
                     threads[0].join(0.05)
             agent_q.put(done)
             threads[1].join(timeout=600)
+
+
+def _add_time(result: Result, key: str, seconds: float) -> None:
+    result.timings[key] = result.timings.get(key, 0.0) + seconds
 
 
 def _judge_turn() -> dict:

@@ -10,11 +10,44 @@ if TYPE_CHECKING:  # annotations only: the run viewer imports this module withou
     import numpy as np
 
 Route = Literal[
-    "small", "agent_after_judge", "agent_after_gate", "agent_only", "small_only", "specreason", "error"
+    "small",
+    "agent_after_judge",
+    "agent_after_gate",
+    "agent_only",
+    "small_only",
+    "specreason",
+    "error",
+    "small_deep",  # the cascade: accepted after a speculative tool call (stage small@1 or deeper)
+    "large_direct",  # the cascade: the large model's direct answer, accepted by its gate
 ]
 ROUTES: tuple[Route, ...] = get_args(Route)
 # The funnel's timed phases, the keys of Result.timings (a server adds "queue" and "total").
 PHASES: tuple[str, ...] = ("judge", "small", "gate", "agent")
+# The cascade's timed steps (keys of Result.timings only where they ran; docs/cascade.md).
+CASCADE_PHASES: tuple[str, ...] = ("small_deep", "large_direct")
+
+# The cascade's stages, in order (docs/cascade.md): the small model after ``d`` speculative
+# tool calls (``small@0`` is the paper's speculative answer), then the large model's direct
+# answer. Each is gated against its own threshold before the large agent loop.
+SMALL_STAGE_PREFIX = "small@"
+LARGE_DIRECT_STAGE = "large_direct"
+
+
+def small_stage(depth: int) -> str:
+    """The name of the small model's stage after ``depth`` speculative tool calls."""
+    return f"{SMALL_STAGE_PREFIX}{depth}"
+
+
+def stage_route(stage: str) -> Route:
+    """The route of a query accepted at ``stage``."""
+    if stage == small_stage(0):
+        return "small"
+    if stage == LARGE_DIRECT_STAGE:
+        return "large_direct"
+    if stage.startswith(SMALL_STAGE_PREFIX):
+        return "small_deep"
+    raise ValueError(f"unknown cascade stage {stage!r}")
+
 
 # The funnel's settings by name (speceyes.funnel and speceyes.gate use these; a module that only
 # checks a name imports them from here, without the funnel, its models or numpy).
@@ -95,9 +128,17 @@ class Result:
     timings: dict[str, float] = field(default_factory=dict)
     trace: list[dict[str, Any]] = field(default_factory=list)
     error: str | None = None
+    # The cascade's stages that ran, in order (empty without a cascade): each
+    # {"stage", "answer", "confidence", "accepted", "tau", "seconds", "tool_calls"} and, for a
+    # stage whose model call failed, "error" (docs/cascade.md).
+    stages: list[dict[str, Any]] = field(default_factory=list)
+
+    def stage_answer(self) -> str | None:
+        """The answer of the first stage whose gate accepted, None if none did."""
+        return next((s["answer"] for s in self.stages if s["accepted"]), None)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "id": self.id,
             "answer": self.answer,
             "route": self.route,
@@ -112,3 +153,6 @@ class Result:
             "trace": list(self.trace),
             "error": self.error,
         }
+        if self.stages:  # only with a cascade: a two-stage funnel's results are as before
+            out["stages"] = [dict(s) for s in self.stages]
+        return out

@@ -305,6 +305,14 @@ class SearchAgent(LoopAgent):
             )
             lp.searching = self._can_zoom(lp)
 
+    def search_step(self, loops: Sequence[_Loop]) -> None:
+        """One zoom (one batched scoring call) for each of ``loops`` still searching; the
+        cascade's speculation (speceyes.cascade) steps a small model's search depth by depth
+        with it and answers itself."""
+        searching = [lp for lp in loops if lp.searching and not lp.done]
+        if searching:
+            self._search_step(searching)
+
     # ---- answering ---------------------------------------------------------------------------
     def _answer_messages(self, lp: _Loop) -> Messages:
         q = lp.query

@@ -27,7 +27,7 @@ from speceyes.bench.shards import Shard
 from speceyes.funnel import Funnel
 from speceyes.rates import beta_alpha_of
 from speceyes.rundir import RunDir, RunDirError
-from speceyes.types import PHASES, Query, Result
+from speceyes.types import CASCADE_PHASES, PHASES, Query, Result
 
 if TYPE_CHECKING:
     from speceyes.factory import Settings
@@ -62,9 +62,9 @@ def sample_record(
     """The logged line for one query (the format `regate`, `calibrate` and `report` read)."""
     small_correct = None if r.small_answer is None else score(q, r.small_answer)
     agent_correct = None if r.agent_answer is None else score(q, r.agent_answer)
-    used_agent = r.route not in ("small", "small_only")
+    used_agent = r.route not in ("small", "small_only", "small_deep", "large_direct")
     error = r.error if (r.route == "error" or (used_agent and r.error)) else None
-    return {
+    record = {
         "id": q.id,
         "category": q.category,
         "meta": q.meta,
@@ -90,6 +90,42 @@ def sample_record(
         "agent_error": r.error if r.error and error is None else None,
         "trace": r.trace,
     }
+    if r.stages:  # the cascade's stages, each scored as the small and agent answers are
+        record["stages"] = [
+            {**s, "correct": None if s["answer"] is None else score(q, s["answer"])}
+            for s in r.stages
+        ]
+    return record
+
+
+def stage_summary(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per cascade stage (in the order the records list them): the queries it answered, their
+    accuracy, its gate's passes and the accuracy among them, the queries whose final answer it
+    gave (the first stage that passed), and its seconds in all; empty without a cascade."""
+    out: dict[str, dict[str, Any]] = {}
+    for rec in records:
+        stages = rec.get("stages") or []
+        first = next((s["stage"] for s in stages if s["accepted"]), None)
+        for s in stages:
+            row = out.setdefault(
+                s["stage"], {"n": 0, "correct": 0, "passed": 0, "passed_correct": 0,
+                             "answered": 0, "seconds": 0.0, "tool_calls": 0},
+            )  # fmt: skip
+            row["n"] += 1
+            row["correct"] += bool(s.get("correct"))
+            row["passed"] += bool(s["accepted"])
+            row["passed_correct"] += bool(s["accepted"] and s.get("correct"))
+            row["answered"] += rec["route"] != "error" and s["stage"] == first
+            row["seconds"] += float(s["seconds"])
+            row["tool_calls"] += int(s.get("tool_calls") or 0)
+    for row in out.values():
+        n, passed = row["n"], row["passed"]
+        row["accuracy"] = row.pop("correct") / n
+        row["acceptance"] = passed / n
+        pc = row.pop("passed_correct")
+        row["accuracy_passed"] = pc / passed if passed else None
+        row["seconds_per_query"] = row["seconds"] / n
+    return out
 
 
 def versions(models: dict[str, str | None]) -> dict[str, Any]:
@@ -113,7 +149,9 @@ def summarize(records: list[dict[str, Any]], bench: str) -> dict[str, Any]:
     """Metrics, beta, alpha and time share per phase from logged records."""
     metrics = benchmarks.get(bench).metrics(records)
     beta, alpha = beta_alpha_of(records)
-    phase_time = {p: float(sum(r["timings"].get(p, 0.0) for r in records)) for p in PHASES}
+    # The cascade's steps count where they ran (a two-stage funnel's keys are as before).
+    ran = [p for p in CASCADE_PHASES if any(p in r["timings"] for r in records)]
+    phase_time = {p: float(sum(r["timings"].get(p, 0.0) for r in records)) for p in (*PHASES, *ran)}
     total = sum(phase_time.values())
     return {
         "metrics": metrics,
@@ -141,6 +179,7 @@ def summarize(records: list[dict[str, Any]], bench: str) -> dict[str, Any]:
         "tool_calls_per_query": float(np.mean([r["tool_calls"] for r in records]))
         if records
         else 0.0,
+        **({"stages": stages} if (stages := stage_summary(records)) else {}),
     }
 
 

@@ -15,6 +15,8 @@ ROUTE_TEXT = {
     "small_only": "small model (small-only mode)",
     "specreason": "agent (SpecReason: small-model steps scored by the large model)",
     "error": "error",
+    "small_deep": "small model after its own tool calls, accepted by that stage's gate",
+    "large_direct": "large model without tools (middle tier), accepted by its gate",
 }
 
 
@@ -37,6 +39,10 @@ def _print_result(r, tau: float) -> None:
     if r.small_answer is not None:
         conf = "n/a (empty answer)" if r.confidence is None else f"{r.confidence:.4f}"
         print(f"small model: {r.small_answer!r}  confidence {conf}  (tau {tau})")
+    for s in r.stages:  # the cascade's stages, in order
+        conf = "n/a" if s["confidence"] is None else f"{s['confidence']:.4f}"
+        verdict = "accepted" if s["accepted"] else "refused"
+        print(f"  stage {s['stage']}: {s['answer']!r} confidence {conf} (tau {s['tau']}) {verdict}")
     print(
         f"tool calls:  {r.tool_calls}"
         + (f" (+{r.invalid_tool_calls} invalid)" if r.invalid_tool_calls else "")

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import argparse
 
-from speceyes import gate, protocols
+from speceyes import cascade, gate, protocols
 from speceyes.agents import registry
 from speceyes.backends.base import DECODING_POLICIES
 from speceyes.backends.registry import ENGINES, VLLM_SHARED_MEMORY
 from speceyes.factory import AgentSettings, BackendSettings, Settings
-from speceyes.funnel import JUDGES, MODES, SCHEDULES, FunnelConfig
+from speceyes.funnel import JUDGES, MODES, PLANS, SCHEDULES, FunnelConfig
+from speceyes.types import LARGE_DIRECT_STAGE, small_stage
 
 _SEARCH = registry.AGENTS["search"]
 
@@ -267,3 +268,37 @@ def add_funnel_args(p: argparse.ArgumentParser, *, schedule: str | None = None) 
         f"{_per_protocol(lambda s: s.agent_max_tokens)})",
     )
     g.add_argument("--calibration", default=None, help="tau file written by speceyes calibrate")
+    add_cascade_args(p)
+
+
+def add_cascade_args(p: argparse.ArgumentParser) -> None:
+    """The cascade's flags (docs/cascade.md); their defaults are the paper's funnel."""
+    f = FunnelConfig
+    gated = ", ".join(m for m, plan in PLANS.items() if plan.gate == "accept")
+    g = p.add_argument_group("cascade (modes " + gated + "; docs/cascade.md)")
+    g.add_argument(
+        "--speculate-depth",
+        type=int,
+        default=f.speculate_depth,
+        metavar="N",
+        help=f"stages {small_stage(1)}..{small_stage(2)}..: the small model runs its own tool "
+        "loop for up to N calls and answers after each, gated at each depth; the first answer "
+        f"that passes is accepted (default: {f.speculate_depth}, the paper's "
+        f"{small_stage(0)} only)",
+    )
+    g.add_argument(
+        "--middle-tier",
+        action="store_true",
+        help=f"stage {LARGE_DIRECT_STAGE}: the large model answers from the full image without "
+        "tools, gated, before its agent loop (default: off)",
+    )
+    g.add_argument(
+        "--small-agent",
+        default=f.small_agent,
+        choices=cascade.SMALL_AGENTS,
+        help="the small model's loop for --speculate-depth: search (scores grid cells with the "
+        "small model's P(yes); no tool calls to write) or deepeyes (the zoom-tool loop, for a "
+        f"small model that writes tool calls) (default: {cascade.default_small_agent(_SEARCH.name)} "
+        f"beside --agent {_SEARCH.name}, else {cascade.default_small_agent(None)}; the large "
+        "agent's settings where the kinds match)",
+    )
