@@ -594,9 +594,16 @@ class Funnel:
         cfg = self.config
         everyone = self.plan.agent == "all"
         self._small_stage(batch)
-        if cfg.speculate_depth:
-            self._deepen(batch, batch.still_open(everyone))
-        if cfg.middle_tier:
+        # A stage at tau 1.0 accepts nothing (a calibration switches a costly stage off so),
+        # so outside ``both`` it does not run: the loop stops at the last depth that can pass.
+        depth = max(
+            (d for d in range(1, cfg.speculate_depth + 1)
+             if everyone or cfg.stage_tau(small_stage(d)) < 1.0),
+            default=0,
+        )
+        if depth:
+            self._deepen(batch, batch.still_open(everyone), depth)
+        if cfg.middle_tier and (everyone or cfg.stage_tau(LARGE_DIRECT_STAGE) < 1.0):
             self._middle(batch, batch.still_open(everyone))
 
     def _small_stage(self, batch: Batch) -> None:
@@ -615,7 +622,7 @@ class Funnel:
                 record = cascade.stage_record(stage, None, None, False, tau, seconds, error=error)
             r.stages.append(record)
 
-    def _deepen(self, batch: Batch, idx: Sequence[int]) -> None:
+    def _deepen(self, batch: Batch, idx: Sequence[int], max_depth: int) -> None:
         """Stages small@1..small@n: the small model's own loop, one tool call at a time; after
         each call it answers on what it last saw, gated at that stage's tau. A loop stops at
         its first accepted answer (``both``: at the end of its loop)."""
@@ -628,7 +635,7 @@ class Funnel:
             except Exception as e:  # this query's input broke the loop: only this one
                 self._fail(batch, i, e)
         active = [i for i in loops if spec.can_go(loops[i])]
-        for depth in range(1, cfg.speculate_depth + 1):
+        for depth in range(1, max_depth + 1):
             if not active:
                 return
             stage = small_stage(depth)

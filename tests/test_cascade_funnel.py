@@ -30,7 +30,9 @@ from speceyes.types import PHASES, ChatTurn, Result, small_stage
 AGENT_KW = dict(grid=2, overlap=0.25, min_region=64, min_box=10, fill_view=True)
 AGENT_KW["answer_prompt"] = "small"
 ALL_STAGES = ("small@0", "small@1", "large_direct")
-NEVER, ALWAYS = 1.0, 0.0  # a gate accepts iff confidence > tau
+# A gate accepts iff confidence > tau. NEVER runs a stage that refuses every answer (the tiny
+# models' confidences stay far below it); OFF (1.0) switches a stage off, as a calibration does.
+NEVER, ALWAYS, OFF = 1.0 - 1e-9, 0.0, 1.0
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +104,18 @@ def test_falls_through_to_the_agent(models, mw_queries):
         want = "agent_after_judge" if r.judge_tool else "agent_after_gate"
         assert r.route == want and r.answer == r.agent_answer and "agent" in r.timings
     assert f.stats.stage_accepted == {}
+
+
+def test_a_stage_at_tau_one_does_not_run(models, mw_queries):
+    taus = {"small@0": NEVER, "small@1": OFF, "large_direct": OFF}
+    f, res = cascade_run(models, mw_queries, speculate_depth=1, middle_tier=True, stage_taus=taus)
+    for r in res:
+        assert set(stage_names(r)) <= {"small@0"} and r.route.startswith("agent_after")
+    assert "small@1" not in f.stats.stage_runs and "large_direct" not in f.stats.stage_runs
+    # in both mode every stage still runs, so any thresholds can be replayed from the log
+    _, logged = cascade_run(models, mw_queries[:1], mode="both", speculate_depth=1,
+                            middle_tier=True, stage_taus=taus)
+    assert stage_names(logged[0])[-2:] == ["small@1", "large_direct"]
 
 
 def test_the_middle_tier_alone(models, mw_queries):
