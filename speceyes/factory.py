@@ -294,8 +294,10 @@ class Settings:
             judge_threshold=f.judge_threshold
             if cal.judge_threshold is None
             else cal.judge_threshold,
-            stage_taus=f.stage_taus if f.stage_taus is not None else _stage_taus(source),
         )
+        cascade = _cascade_of(source)
+        if cascade is not None:
+            funnel = _with_cascade(funnel, *cascade)
         return replace(self, funnel=funnel)
 
     def with_funnel(self, **changes: Any) -> Settings:
@@ -337,9 +339,12 @@ def _with_model(spec: str | None, model: str | None) -> str | None:
     return with_model(spec, model)
 
 
-def _stage_taus(path: str | os.PathLike[str] | None) -> dict[str, float] | None:
-    """A cascade calibration file's per-stage thresholds (its "stages"); None for a file of
-    the two-stage funnel (or a calibration given as a record)."""
+def _cascade_of(
+    path: str | os.PathLike[str] | None,
+) -> tuple[dict[str, float], int, bool] | None:
+    """A cascade calibration file's per-stage thresholds and the cascade they were certified
+    for (speculation depth, middle tier); None for a file of the two-stage funnel (or a
+    calibration given as a record)."""
     if path is None:
         return None
     raw = json.loads(Path(path).read_text(encoding="utf-8"))
@@ -347,7 +352,27 @@ def _stage_taus(path: str | os.PathLike[str] | None) -> dict[str, float] | None:
         return None
     from speceyes.bench.cascade_calibration import read_stage_taus
 
-    return read_stage_taus(raw) or None
+    taus = read_stage_taus(raw)
+    block = raw.get("cascade") or {}
+    depths = [int(s.split("@", 1)[1]) for s in taus if s.startswith("small@")]
+    depth = int(block.get("speculate_depth", max(depths, default=0)))
+    middle = bool(block.get("middle_tier", "large_direct" in taus))
+    return taus, depth, middle
+
+
+def _with_cascade(f: FunnelConfig, taus: dict[str, float], depth: int, middle: bool):
+    """The funnel with the cascade a calibration certified: its stages and their thresholds.
+    The guarantee covers that cascade only (another depth or tier changes which queries reach
+    each stage), so a funnel that asks for another one is refused."""
+    # a flag left at its default asks for nothing; one that was set must match the file
+    if (f.speculate_depth and f.speculate_depth != depth) or (f.middle_tier and not middle):
+        raise ValueError(
+            f"the calibration certifies the cascade with --speculate-depth {depth}"
+            f"{' and --middle-tier' if middle else ' without --middle-tier'}; its thresholds "
+            "do not hold for another one (calibrate that cascade's own both-mode run)"
+        )
+    stage_taus = f.stage_taus if f.stage_taus is not None else taus
+    return replace(f, speculate_depth=depth, middle_tier=middle, stage_taus=stage_taus)
 
 
 def _first(value: Any, default: Any) -> Any:

@@ -166,3 +166,15 @@ def test_cli_calibrate_then_regate(cascade_dir, tmp_path, capsys):
     assert "| small@1 |" in capsys.readouterr().out
     assert main(["calibrate", str(cascade_dir), "--cascade", "--top-k", "8"]) == 2
     assert "does not take --top-k" in capsys.readouterr().err
+    # eval and serve apply the file's cascade as a whole: its stages, depth and middle tier
+    from speceyes.factory import Settings
+
+    data["models"], data["agent"] = {"small": "s", "large": "l"}, "deepeyes"  # the run's setup
+    out.write_text(json.dumps(data))
+    base = Settings(small="s", large="l")
+    applied = base.with_calibration(out).funnel
+    assert (applied.speculate_depth, applied.middle_tier) == (2, True)
+    assert applied.stage_taus == data["stages"]
+    assert applied.stage_tau("small@0") == data["stages"]["small@0"]
+    with pytest.raises(ValueError, match="certifies the cascade with --speculate-depth 2"):
+        base.with_funnel(speculate_depth=1).with_calibration(out)
