@@ -102,6 +102,7 @@ def test_table_rows_and_columns(demo_run):
     assert s["settings"]["funnel"]["batch_size"] == s["batch_size"] == MANIFEST["batch_size"]
     assert s["settings"]["extra"]["training"] == MANIFEST["training"]
     assert s["split"]["n_scenes"] == 2 and s["split"]["level"] == 1
+    assert s["threads"]["torch"] >= 1 and "omp_wait_policy" in s["threads"]
 
 
 def test_checks_targets_plot_and_viewer(demo_run):
@@ -421,6 +422,33 @@ def test_settings_defaults_and_errors(tmp_path):
     speedup = analytic_speedup  # speceyes.rates' formula, (c_J, c_S, L_agent, beta, alpha)
     assert speedup(0.0, 0.0, 1.0, 0.0, 0.0) == 1.0
     assert speedup(0.1, 0.2, 1.0, 0.8, 0.5) == pytest.approx(1 / (0.1 + 0.16 + 0.6))
+
+
+def test_wait_policy_defaults_to_passive_before_torch_loads():
+    """The demo's OpenMP threads sleep at barriers unless told otherwise; once torch (OpenMP) is
+    loaded the setting is left alone and what is in effect is reported."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from speceyes.miniworld import demo; "
+        "print(demo.set_wait_policy(), 'torch' in sys.modules)"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    root = str(Path(mwdemo.__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+
+    def policy(**extra: str) -> str:
+        cmd = [sys.executable, "-c", code]
+        out = subprocess.run(cmd, env={**env, **extra}, capture_output=True, text=True, check=True)
+        return out.stdout.split()[0]
+
+    assert policy() == mwdemo.OMP_WAIT_POLICY == "PASSIVE"
+    assert policy(OMP_WAIT_POLICY="ACTIVE") == "ACTIVE"  # the user's choice is kept
+    preloaded = code.replace("import sys;", "import sys, torch;")
+    out = subprocess.run([sys.executable, "-c", preloaded], env=env, capture_output=True, text=True)
+    assert out.stdout.split() == ["None", "True"]  # too late to set: OpenMP's default
 
 
 def test_bundled_models_load_and_answer_from_their_own_logits():

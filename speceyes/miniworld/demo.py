@@ -32,6 +32,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -107,6 +108,11 @@ class TestSplit:
         return split
 
 
+# On a busy machine spinning OpenMP threads wait out a partner that lost its core, which slows
+# the modes by how often they sync (unequally) and inflates their CPU time; sleeping ones do not.
+# Read when torch first loads, so it takes effect only if the demo is what loads it.
+OMP_WAIT_POLICY = "PASSIVE"
+
 _T = TestSplit
 EPILOG = (
     "MODELS/manifest.json (written by the trainer; every key optional): "
@@ -126,7 +132,10 @@ EPILOG = (
     "one warm-up call per model, the modes of both size splits run in turns, batch by batch in "
     "one rotating order, so a change of machine load falls on all of them alike; the speedup "
     "over all questions is total agent-only time / total time of the mode; per category only "
-    "accuracy is reported. Threads: torch's default (set OMP_NUM_THREADS to change it)."
+    "accuracy is reported. Threads: torch's default (set OMP_NUM_THREADS to change it); "
+    f"OMP_WAIT_POLICY defaults to {OMP_WAIT_POLICY} (threads waiting at a barrier sleep instead "
+    "of spinning, so on a busy machine a thread whose partner lost its core does not burn its "
+    "own time slice; set it to ACTIVE for OpenMP's spinning)."
 )
 
 
@@ -304,6 +313,14 @@ def run_all(runs: dict[tuple[str, str], ModeRun], progress: bool) -> None:
         interleave(list(runs.values()), on_batch)
 
 
+def set_wait_policy() -> str | None:
+    """Default ``OMP_WAIT_POLICY`` to :data:`OMP_WAIT_POLICY` while torch (and with it OpenMP)
+    is not loaded yet; returns the policy in effect (None: OpenMP's own default)."""
+    if "torch" not in sys.modules:
+        os.environ.setdefault("OMP_WAIT_POLICY", OMP_WAIT_POLICY)
+    return os.environ.get("OMP_WAIT_POLICY")
+
+
 # ----------------------------------------------------------------------------------------- main
 
 
@@ -355,9 +372,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    wait_policy = set_wait_policy()  # before torch loads
     from speceyes.factory import Settings, make_agent, make_backend
 
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     level = getattr(args, "level", None)
     models_dir = (
         Path(args.models) if args.models else (LEVEL_MODELS[2] if level == 2 else MODELS_DIR)
@@ -440,8 +458,12 @@ def run(args: argparse.Namespace) -> int:
             flush=True,
         )
     summary = summarize_demo(out, modes)
+    import torch
+
     summary.update(
         batch_size=resolved.funnel.batch_size,
+        # what the timings depend on beyond the machine's load
+        threads={"torch": torch.get_num_threads(), "omp_wait_policy": wait_policy},
         settings=resolved.to_dict(),
         split=key,
         models={r: {"path": str(models[r]), "fingerprint": prints[r]} for r in ROLES},
