@@ -112,6 +112,7 @@ def test_table_rows_and_columns(demo_run):
     assert s["settings"]["funnel"]["batch_size"] == s["batch_size"] == MANIFEST["batch_size"]
     assert s["settings"]["extra"]["training"] == MANIFEST["training"]
     assert s["split"]["n_scenes"] == 2 and s["split"]["level"] == 1
+    assert s["threads"]["torch"] >= 1 and "omp_wait_policy" in s["threads"]
 
 
 def test_checks_targets_plot_and_viewer(demo_run):
@@ -148,6 +149,7 @@ def test_checks_targets_plot_and_viewer(demo_run):
 def test_speedups_follow_from_measured_times(demo_run):
     s = json.loads((demo_run / "summary.json").read_text())
     tot = {m: [0.0, 0] for m in MODES}
+    analytic_time = {"agent": 0.0, "speceyes": 0.0}  # summed over the splits
     for split in SPLITS:
         agent = _results(demo_run, split, "agent")
         L = agent["wall_time"] / agent["n"]
@@ -166,6 +168,8 @@ def test_speedups_follow_from_measured_times(demo_run):
         beta, alpha = spec["beta"], spec["alpha_accept"] or 0.0
         c_J, beta_c_S = tp["judge"] / n, (tp["small"] + tp["gate"]) / n
         analytic = L / (c_J + beta_c_S + (1 - beta * alpha) * L)
+        analytic_time["agent"] += n * L
+        analytic_time["speceyes"] += n * (c_J + beta_c_S + (1 - beta * alpha) * L)
         cell = s["rows"][split]["speceyes"]
         assert cell["beta"] == pytest.approx(beta) and (cell["alpha"] or 0.0) == pytest.approx(
             alpha
@@ -180,7 +184,14 @@ def test_speedups_follow_from_measured_times(demo_run):
         assert cell["n"] == tot[mode][1]
         assert cell["time_per_query"] == pytest.approx(tot[mode][0] / tot[mode][1], rel=1e-9)
         assert cell["speedup"] == pytest.approx(L_all / cell["time_per_query"], rel=1e-9)
-    assert math.isfinite(s["rows"]["all"]["speceyes"]["analytic_speedup"])
+        # the same questions: total agent-only time / total time of the mode
+        assert cell["speedup"] == pytest.approx(tot["agent"][0] / tot[mode][0], rel=1e-9)
+    # the pooled analytic speedup by the same definition: total agent-only time / the sum of
+    # each split's analytic SpecEyes time (not one formula over pooled costs)
+    cell = s["rows"]["all"]["speceyes"]
+    pooled = analytic_time["agent"] / analytic_time["speceyes"]
+    assert math.isfinite(pooled) and cell["analytic_speedup"] == pytest.approx(pooled, rel=1e-9)
+    assert cell["share_of_analytic"] == pytest.approx(cell["speedup"] / pooled, rel=1e-9)
 
 
 def test_cpu_time_per_query_and_its_speedup(demo_run):
@@ -226,36 +237,103 @@ def test_cpu_time_per_query_and_its_speedup(demo_run):
     assert all_row.split("|")[-2].strip() == f"{sp['speedup']:.2f}x / {sp['cpu_speedup']:.2f}x"
 
 
-def _segments(out: Path, split: str) -> list[tuple[float, str, int]]:
-    """(start time, mode, queries) of every time segment of a split's runs, in time order."""
+def _segments(out: Path) -> list[tuple[float, str, str, int]]:
+    """(start time, split, mode, queries) of every time segment of the demo's runs, in time
+    order."""
     segs = []
-    for mode in MODES:
-        state = json.loads((out / "runs" / split / mode / "run.json").read_text())
-        segs += [(seg["started"], mode, seg["queries"]) for seg in state["segments"]]
+    for split in SPLITS:
+        for mode in MODES:
+            state = json.loads((out / "runs" / split / mode / "run.json").read_text())
+            segs += [(seg["started"], split, mode, seg["queries"]) for seg in state["segments"]]
     return sorted(segs)
 
 
-def test_modes_take_turns_batch_by_batch(demo_run):
-    """Each mode's run is one segment per batch, and the batches of a split's modes alternate
-    in a rotating order: A B C, then B C A, then C A B."""
+def test_modes_of_both_splits_take_turns_batch_by_batch(demo_run):
+    """Each run is one segment per batch, and the batches of all six runs (both splits' modes)
+    alternate in one rotating order: 1 2 3 4 5 6, then 2 3 4 5 6 1, then 3 4 5 6 1 2, so a
+    load that changes during the demo falls on every mode of every split alike."""
     bs = MANIFEST["batch_size"]
-    for split in SPLITS:
-        n = _results(demo_run, split, "agent")["n"]
-        sizes = [min(bs, n - i) for i in range(0, n, bs)]
-        assert len(sizes) >= 3  # enough batches for a full rotation
-        expected = [
-            (m, size) for b, size in enumerate(sizes) for m in (MODES[b % 3 :] + MODES[: b % 3])
-        ]
-        assert [(m, q) for _, m, q in _segments(demo_run, split)] == expected
+    n = _results(demo_run, SPLITS[0], "agent")["n"]
+    assert all(_results(demo_run, split, "agent")["n"] == n for split in SPLITS)
+    sizes = [min(bs, n - i) for i in range(0, n, bs)]
+    assert len(sizes) >= 3  # enough batches for the splits to change places
+    runs = [(split, m) for split in SPLITS for m in MODES]
+    expected = [
+        (*run, size) for b, size in enumerate(sizes) for run in runs[b % 6 :] + runs[: b % 6]
+    ]
+    assert [(s, m, q) for _, s, m, q in _segments(demo_run)] == expected
+
+
+def test_schedule_spreads_a_shorter_run_and_keeps_each_runs_order():
+    """Runs of as many batches take turns batch by batch in a rotating order; a run of fewer
+    batches has its batches spread evenly between the others' (not all at the start)."""
+    from types import SimpleNamespace
+
+    from speceyes.miniworld.interleave import rotation, schedule
+
+    same = [SimpleNamespace(name=c, n_batches=4) for c in "ABC"]
+    order = [(r.name, b) for r, b in schedule(same)]
+    assert order == [(r.name, b) for b in range(4) for r in rotation(same, b)]
+    assert order[:6] == [("A", 0), ("B", 0), ("C", 0), ("B", 1), ("C", 1), ("A", 1)]
+
+    runs = [SimpleNamespace(name="long", n_batches=4), SimpleNamespace(name="short", n_batches=2)]
+    order = [(r.name, b) for r, b in schedule(runs)]
+    assert sorted(order) == sorted((r.name, b) for r in runs for b in range(r.n_batches))
+    for r in runs:  # each run's own batches in order
+        assert [b for name, b in order if name == r.name] == list(range(r.n_batches))
+    # the short run's batch b sits where the long run is (b + 1/2) / 2 of the way through
+    done_before = [sum(1 for x in order[:i] if x[0] == "long") for i, x in enumerate(order)]
+    assert [d for d, x in zip(done_before, order, strict=True) if x[0] == "short"] == [1, 3]
+    assert schedule([]) == []
+
+
+def test_schedule_keeps_the_pooled_speedup_under_a_load_step():
+    """A load that triples at some point of the demo (simulated clock): with the splits one
+    after the other the step falls on one split's modes more than the other's and skews the
+    pooled ratio, total agent-only time / total SpecEyes time; the schedule spreads it over
+    every run alike, wherever it falls."""
+    from types import SimpleNamespace
+
+    from speceyes.miniworld.interleave import schedule
+
+    # seconds per batch when quiet: SpecEyes is slower than agent-only on small targets
+    # (judge overhead, every question to the agent) and much faster on large ones
+    cost = {("small", "agent"): 1.0, ("small", "speceyes"): 1.1}
+    cost |= {("large", "agent"): 1.0, ("large", "speceyes"): 0.1}
+    runs = [SimpleNamespace(key=k, n_batches=8) for k in cost]
+    quiet_total = sum(c * 8 for c in cost.values())
+    quiet = 16 / (8 * 1.1 + 8 * 0.1)
+
+    def pooled_speedup(order: list[tuple[SimpleNamespace, int]], step_at: float) -> float:
+        clock, spent = 0.0, dict.fromkeys(cost, 0.0)
+        for run, _ in order:
+            took = cost[run.key] * (1.0 if clock < step_at * quiet_total else 3.0)
+            clock += took
+            spent[run.key] += took
+        agent = sum(t for k, t in spent.items() if k[1] == "agent")
+        return agent / sum(t for k, t in spent.items() if k[1] == "speceyes")
+
+    one_after_other = [*schedule(runs[:2]), *schedule(runs[2:])]  # a split's modes in turns
+    for step_at in (0.1, 0.25, 0.4, 0.5, 0.6, 0.75, 0.9):
+        assert pooled_speedup(one_after_other, step_at) > 1.1 * quiet
+        assert pooled_speedup(schedule(runs), step_at) == pytest.approx(quiet, rel=0.1)
 
 
 def _without_timings(records: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if k != "timings"} for r in records]
+    """The records less what was timed: the phase timings and the agent loop's seconds (its
+    trace's ``end`` step)."""
+    return [
+        {
+            **{k: v for k, v in r.items() if k != "timings"},
+            "trace": [{k: v for k, v in t.items() if k != "seconds"} for t in r.get("trace") or []],
+        }
+        for r in records
+    ]
 
 
-def test_interleaved_run_matches_one_uninterrupted_run(demo_run, models, tmp_path):
-    """Taking turns changes nothing but the timings: the same mode run on its own in one
-    run_eval call over the whole split logs the same records, in the same order."""
+def test_interleaved_runs_match_uninterrupted_runs(demo_run, models, tmp_path):
+    """Taking turns changes nothing but the timings: every mode run on its own on each split,
+    in one run_eval call over the whole split, logs the same records, in the same order."""
     from speceyes.bench.datasets import load_jsonl
     from speceyes.bench.runner import EvalSpec, run_eval
     from speceyes.factory import build_funnel, make_agent, make_backend
@@ -264,15 +342,18 @@ def test_interleaved_run_matches_one_uninterrupted_run(demo_run, models, tmp_pat
     s = Settings.from_manifest(models / mwdemo.MANIFEST)
     backends = {r: make_backend(getattr(s, r), settings=s.backend) for r in ("small", "large")}
     agent = make_agent(s.resolved().agent, backends["large"])
-    funnel = build_funnel(
-        s.with_funnel(mode="speceyes"), (backends["small"], backends["large"]), agent
-    )
-    subset = demo_run / "data" / "questions-small.jsonl"
-    spec = EvalSpec(bench="jsonl", data=str(subset), output=tmp_path / "alone")
-    run_eval(spec, funnel, load_jsonl(subset), progress=False, plots=False)
-    alone = RunDir(tmp_path / "alone").records()
-    interleaved = RunDir(demo_run / "runs" / "small-targets" / "speceyes").records()
-    assert len(alone) == 8 and _without_timings(interleaved) == _without_timings(alone)
+    for split, size in zip(SPLITS, ("small", "large"), strict=True):
+        subset = demo_run / "data" / f"questions-{size}.jsonl"
+        for mode in MODES:
+            funnel = build_funnel(
+                s.with_funnel(mode=mode), (backends["small"], backends["large"]), agent
+            )
+            spec = EvalSpec(bench="jsonl", data=str(subset), output=tmp_path / split / mode)
+            run_eval(spec, funnel, load_jsonl(subset), progress=False, plots=False)
+            alone = RunDir(tmp_path / split / mode).records()
+            interleaved = RunDir(demo_run / "runs" / split / mode).records()
+            assert len(alone) == 8, (split, mode)
+            assert _without_timings(interleaved) == _without_timings(alone), (split, mode)
 
 
 def test_rerun_reuses_split_and_resumes(models, tmp_path, capsys):
@@ -351,6 +432,33 @@ def test_settings_defaults_and_errors(tmp_path):
     speedup = analytic_speedup  # speceyes.rates' formula, (c_J, c_S, L_agent, beta, alpha)
     assert speedup(0.0, 0.0, 1.0, 0.0, 0.0) == 1.0
     assert speedup(0.1, 0.2, 1.0, 0.8, 0.5) == pytest.approx(1 / (0.1 + 0.16 + 0.6))
+
+
+def test_wait_policy_defaults_to_passive_before_torch_loads():
+    """The demo's OpenMP threads sleep at barriers unless told otherwise; once torch (OpenMP) is
+    loaded the setting is left alone and what is in effect is reported."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from speceyes.miniworld import demo; "
+        "print(demo.set_wait_policy(), 'torch' in sys.modules)"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    root = str(Path(mwdemo.__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+
+    def policy(**extra: str) -> str:
+        cmd = [sys.executable, "-c", code]
+        out = subprocess.run(cmd, env={**env, **extra}, capture_output=True, text=True, check=True)
+        return out.stdout.split()[0]
+
+    assert policy() == mwdemo.OMP_WAIT_POLICY == "PASSIVE"
+    assert policy(OMP_WAIT_POLICY="ACTIVE") == "ACTIVE"  # the user's choice is kept
+    preloaded = code.replace("import sys;", "import sys, torch;")
+    out = subprocess.run([sys.executable, "-c", preloaded], env=env, capture_output=True, text=True)
+    assert out.stdout.split() == ["None", "True"]  # too late to set: OpenMP's default
 
 
 def test_bundled_models_load_and_answer_from_their_own_logits():

@@ -1,10 +1,11 @@
 """``speceyes demo``: the mini-world benchmark with the two bundled trained models.
 
 One test split of mini-world scenes (:func:`speceyes.miniworld.scenes.make_split`) is split by
-target size, and on each size agent-only, small-only and SpecEyes take turns batch by batch
-through the evaluation harness (:mod:`speceyes.miniworld.interleave` over
-:func:`speceyes.bench.runner.run_eval`): batch 1 of each mode, then batch 2 in a rotated order,
-and so on, so a change of machine load falls on every mode alike. A mode's time is the sum of its
+target size, and agent-only, small-only and SpecEyes on both sizes (six runs) take turns batch
+by batch through the evaluation harness (:mod:`speceyes.miniworld.interleave` over
+:func:`speceyes.bench.runner.run_eval`): batch 1 of each run, then batch 2 in a rotated order,
+and so on, so a change of machine load falls on every mode of every split alike, and the
+speedup over all questions is as fair as the one within a split. A run's time is the sum of its
 own batches' times, wall-clock and process CPU (all threads). Every run folder is an ordinary
 ``speceyes eval`` folder (``samples.jsonl``, ``results.json``, ``plots/``) that ``speceyes
 report``, ``speceyes regate`` and ``speceyes view`` read. The table at the end (also
@@ -31,6 +32,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -106,6 +108,11 @@ class TestSplit:
         return split
 
 
+# On a busy machine spinning OpenMP threads wait out a partner that lost its core, which slows
+# the modes by how often they sync (unequally) and inflates their CPU time; sleeping ones do not.
+# Read when torch first loads, so it takes effect only if the demo is what loads it.
+OMP_WAIT_POLICY = "PASSIVE"
+
 _T = TestSplit
 EPILOG = (
     "MODELS/manifest.json (written by the trainer; every key optional): "
@@ -122,9 +129,13 @@ EPILOG = (
     + '; agent kind "deepeyes" (or its old name "zoom") runs the DeepEyes zoom-tool loop '
     "instead of the search agent; other keys (training metadata) are carried into summary.json. "
     "Time per query is a run's wall time (and its process CPU time) over its questions; after "
-    "one warm-up call per model, each size split runs its modes in turns, batch by batch in a "
-    "rotating order, so a change of machine load falls on all of them alike; per category only "
-    "accuracy is reported. Threads: torch's default (set OMP_NUM_THREADS to change it)."
+    "one warm-up call per model, the modes of both size splits run in turns, batch by batch in "
+    "one rotating order, so a change of machine load falls on all of them alike; the speedup "
+    "over all questions is total agent-only time / total time of the mode; per category only "
+    "accuracy is reported. Threads: torch's default (set OMP_NUM_THREADS to change it); "
+    f"OMP_WAIT_POLICY defaults to {OMP_WAIT_POLICY} (threads waiting at a barrier sleep instead "
+    "of spinning, so on a busy machine a thread whose partner lost its core does not burn its "
+    "own time slice; set it to ACTIVE for OpenMP's spinning)."
 )
 
 
@@ -285,20 +296,29 @@ def _identity(key: dict, size: str, mode: str, prints: dict[str, str], s: Settin
     }
 
 
-def run_split(runs: dict[str, ModeRun], label: str, progress: bool) -> None:
-    """The modes of one size split, interleaved batch by batch (:func:`interleave`)."""
+def run_all(runs: dict[tuple[str, str], ModeRun], progress: bool) -> None:
+    """Every mode of every size split, ``runs[(split, mode)]``, interleaved batch by batch in
+    one schedule (:func:`interleave`)."""
     from tqdm import tqdm
 
     total = sum(len(r.queries) for r in runs.values())
     done = sum(len(r.done) for r in runs.values())
-    mode_of = {id(r): m for m, r in runs.items()}
-    with tqdm(total=total, initial=done, disable=not progress, unit="q", desc=label) as bar:
+    label_of = {id(r): f"{SPLIT_LABEL[s]}, {MODE_LABEL[m]}" for (s, m), r in runs.items()}
+    with tqdm(total=total, initial=done, disable=not progress, unit="q", desc="demo") as bar:
 
         def on_batch(run: ModeRun, ran: int) -> None:
-            bar.set_postfix_str(MODE_LABEL[mode_of[id(run)]], refresh=False)
+            bar.set_postfix_str(label_of[id(run)], refresh=False)
             bar.update(ran)
 
         interleave(list(runs.values()), on_batch)
+
+
+def set_wait_policy() -> str | None:
+    """Default ``OMP_WAIT_POLICY`` to :data:`OMP_WAIT_POLICY` while torch (and with it OpenMP)
+    is not loaded yet; returns the policy in effect (None: OpenMP's own default)."""
+    if "torch" not in sys.modules:
+        os.environ.setdefault("OMP_WAIT_POLICY", OMP_WAIT_POLICY)
+    return os.environ.get("OMP_WAIT_POLICY")
 
 
 # ----------------------------------------------------------------------------------------- main
@@ -352,9 +372,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    wait_policy = set_wait_policy()  # before torch loads
     from speceyes.factory import Settings, make_agent, make_backend
 
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     level = getattr(args, "level", None)
     models_dir = (
         Path(args.models) if args.models else (LEVEL_MODELS[2] if level == 2 else MODELS_DIR)
@@ -401,9 +422,11 @@ def run(args: argparse.Namespace) -> int:
     warm_up(backends, data)
     from speceyes.factory import build_funnel
 
-    for split, size in SPLITS:  # a split's modes take turns batch by batch: fair under load
+    # Every mode of every split takes turns batch by batch, in one schedule: a change of load
+    # falls on all of them alike, so both the per-split and the pooled ratios stay fair.
+    runs: dict[tuple[str, str], ModeRun] = {}
+    for split, size in SPLITS:
         subset = subset_path(data, size)
-        runs: dict[str, ModeRun] = {}
         for mode in modes:
             run_dir = out / RUNS_DIR / split / mode
             print(f"[{SPLIT_LABEL[split]}] {MODE_LABEL[mode]} -> {run_dir}", flush=True)
@@ -412,26 +435,36 @@ def run(args: argparse.Namespace) -> int:
                 mode_settings, (backends.get("small"), backends.get("large")), agent
             )
             ident = _identity(key, size, mode, prints, settings)
-            runs[mode] = open_run(run_dir, subset, ident, funnel, models, mode_settings)
-        first = next(iter(runs.values()))
+            runs[split, mode] = open_run(
+                run_dir, subset, ident, funnel, models, mode_settings
+            )
+    parts = [
+        f"{SPLIT_LABEL[split]} {len(r.queries)} questions, {r.n_batches} batch(es)"
+        for (split, mode), r in runs.items()
+        if mode == modes[0]
+    ]
+    first = next(iter(runs.values()))
+    print(
+        f"  {'; '.join(parts)} of {first.batch_size}; every mode of both splits takes turns",
+        flush=True,
+    )
+    run_all(runs, progress=not args.no_progress)
+    for (split, mode), r in runs.items():
+        res = r.results or {}
         print(
-            f"  {len(first.queries)} questions; the modes take turns, "
-            f"{first.n_batches} batch(es) of {first.batch_size} each",
+            f"  [{SPLIT_LABEL[split]}] {MODE_LABEL[mode]}: n={res.get('n')} "
+            f"accuracy={fmt(res.get('accuracy'))} s/query={fmt(res.get('time_per_query'))} "
+            f"CPU s/query={fmt(res.get('cpu_time_per_query'))} "
+            f"beta={fmt(res.get('beta'), '.2f')} alpha={fmt(res.get('alpha_accept'), '.2f')}",
             flush=True,
         )
-        run_split(runs, SPLIT_LABEL[split], progress=not args.no_progress)
-        for mode, r in runs.items():
-            res = r.results or {}
-            print(
-                f"  {MODE_LABEL[mode]}: n={res.get('n')} accuracy={fmt(res.get('accuracy'))} "
-                f"s/query={fmt(res.get('time_per_query'))} "
-                f"CPU s/query={fmt(res.get('cpu_time_per_query'))} "
-                f"beta={fmt(res.get('beta'), '.2f')} alpha={fmt(res.get('alpha_accept'), '.2f')}",
-                flush=True,
-            )
     summary = summarize_demo(out, modes)
+    import torch
+
     summary.update(
         batch_size=resolved.funnel.batch_size,
+        # what the timings depend on beyond the machine's load
+        threads={"torch": torch.get_num_threads(), "omp_wait_policy": wait_policy},
         settings=resolved.to_dict(),
         split=key,
         models={r: {"path": str(models[r]), "fingerprint": prints[r]} for r in ROLES},

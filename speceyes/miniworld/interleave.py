@@ -1,13 +1,15 @@
-"""The demo's modes taking turns, batch by batch, each filling its own run folder.
+"""The demo's runs taking turns, batch by batch, each filling its own run folder.
 
 Each mode of a size split is a :class:`ModeRun`: an ordinary ``speceyes eval`` run folder that
 :func:`speceyes.bench.runner.run_eval` fills one batch at a time (each call runs one batch's
-slice of the questions and resumes the folder, adding one time segment). :func:`interleave` runs
-batch 1 of every mode, then batch 2 in the next mode's order, and so on (A B C, B C A, C A B,
-...), so a change of machine load during the split falls on every mode alike and the ratios of
-their times stay fair. A batch is the same questions the funnel would have batched in one
-uninterrupted run (``batch_size`` consecutive questions of the subset), so answers and routes are
-those of a run of the mode on its own.
+slice of the questions and resumes the folder, adding one time segment). :func:`schedule` puts
+the batches of every run (every mode of every split) in one order: batch 1 of every run, then
+batch 2 in the next run's order, and so on (A B C D E F, B C D E F A, ...), a run with fewer
+batches spreading its batches evenly over the same time. So a change of machine load during the
+demo falls on every mode of every split alike, and the ratios of their times stay fair, within a
+split and pooled over the splits. A batch is the same questions the funnel would have batched in
+one uninterrupted run (``batch_size`` consecutive questions of the subset), so answers and
+routes are those of a run of the mode on its own.
 
 Resuming: a killed demo keeps each folder's finished queries; the next run skips the batches
 that are logged and runs the rest. Each folder's configuration is checked by its first
@@ -20,6 +22,8 @@ import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from fractions import Fraction
+from itertools import groupby
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -170,10 +174,32 @@ def rotation(items: Sequence[Any], turn: int) -> list[Any]:
     return [*items[k:], *items[:k]]
 
 
+def schedule(runs: Sequence[ModeRun]) -> list[tuple[ModeRun, int]]:
+    """Every batch of every run, as ``(run, batch)`` in the order they run.
+
+    Batch ``b`` of a run of ``n`` batches is due at ``(b + 1/2) / n`` of the way through; the
+    batches due at the same point form a turn, and turn ``t`` runs them in the runs' order
+    rotated by ``t`` (:func:`rotation`). Runs of as many batches (the modes of one split, and
+    the splits when they are the same size) thus run their batch ``b`` in turn ``b``, each run
+    first in one turn of every ``len(runs)``; a run of fewer batches has its batches spread
+    evenly between the others'."""
+    due = sorted(
+        (
+            (Fraction(2 * b + 1, 2 * r.n_batches), i, b)
+            for i, r in enumerate(runs)
+            for b in range(r.n_batches)
+        )
+    )
+    order: list[tuple[ModeRun, int]] = []
+    for turn, (_, units) in enumerate(groupby(due, key=lambda u: u[0])):
+        batch_of = {i: b for _, i, b in units}
+        order += [(runs[i], batch_of[i]) for i in rotation(list(batch_of), turn)]
+    return order
+
+
 def interleave(runs: Sequence[ModeRun], on_batch: Callable[[ModeRun, int], None]) -> None:
-    """Every run's batches, batch ``b`` of each run in the order ``rotation(runs, b)``;
-    ``on_batch(run, questions_run)`` after each call (progress)."""
-    for b in range(max((r.n_batches for r in runs), default=0)):
-        for run in rotation(runs, b):
-            if run.pending(b):
-                on_batch(run, run.run_batch(b))
+    """Every run's batches in the order of :func:`schedule`; ``on_batch(run, questions_run)``
+    after each call (progress)."""
+    for run, b in schedule(runs):
+        if run.pending(b):
+            on_batch(run, run.run_batch(b))

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from speceyes.rates import analytic_speedup
+from speceyes.rates import analytic_latency
 
 MODES = ("agent", "small", "speceyes")
 MODE_LABEL = {"agent": "agent-only", "small": "small-only", "speceyes": "SpecEyes"}
@@ -74,7 +74,23 @@ def _cell(records: list[dict], wall: float, cpu: float | None = None) -> dict[st
     }
 
 
-def _add_speedups(row: dict[str, dict]) -> None:
+def _analytic_times(row: dict[str, dict]) -> tuple[float, float] | None:
+    """(agent-only seconds, SpecEyes' analytic seconds) over a split's questions: ``n * L_agent``
+    and ``n * E[L]``, ``E[L] = c_J + beta*c_S + (1 - beta*alpha)*L_agent`` from the split's
+    measured costs; None without both modes or a judged query."""
+    agent, spec = row.get("agent"), row.get("speceyes")
+    L = agent["time_per_query"] if agent else None
+    if not (spec and L and spec["c_J"] is not None):
+        return None
+    beta, alpha = spec["beta"] or 0.0, spec["alpha"] or 0.0
+    e_l = float(analytic_latency(spec["c_J"], spec["c_S"] or 0.0, L, beta, alpha))
+    return spec["n"] * L, spec["n"] * e_l
+
+
+def _add_speedups(row: dict[str, dict], analytic: tuple[float, float] | None) -> None:
+    """Each mode's speedup over agent-only (wall and CPU seconds per query over the same
+    questions, so total agent-only time / total time of the mode), and SpecEyes' analytic
+    speedup ``analytic[0] / analytic[1]`` (:func:`_analytic_times`) with the measured share."""
     agent = row.get("agent")
     L = agent["time_per_query"] if agent else None
     L_cpu = agent["cpu_time_per_query"] if agent else None
@@ -84,11 +100,20 @@ def _add_speedups(row: dict[str, dict]) -> None:
         cell["cpu_speedup"] = L_cpu / cpq if (L_cpu and cpq) else None
         if mode == "speceyes":
             cell["L_agent"] = L
-            ok = L and cell["c_J"] is not None
-            beta, alpha = cell["beta"] or 0.0, cell["alpha"] or 0.0
-            an = analytic_speedup(cell["c_J"], cell["c_S"] or 0.0, L, beta, alpha) if ok else None
+            an = analytic[0] / analytic[1] if (analytic and analytic[1]) else None
             cell["analytic_speedup"] = an
             cell["share_of_analytic"] = cell["speedup"] / an if (an and cell["speedup"]) else None
+
+
+def _pooled_analytic_times(
+    per_split: list[tuple[float, float] | None],
+) -> tuple[float, float] | None:
+    """The splits' analytic times summed: the pooled analytic speedup is total agent-only time /
+    the sum of each split's analytic SpecEyes time, as the measured one is total agent-only
+    time / total SpecEyes time (one L_agent for both splits would blur their costs)."""
+    if not per_split or any(t is None for t in per_split):
+        return None
+    return sum(t[0] for t in per_split), sum(t[1] for t in per_split)
 
 
 def summarize_demo(out: Path, modes: list[str]) -> dict[str, Any]:
@@ -109,8 +134,10 @@ def summarize_demo(out: Path, modes: list[str]) -> dict[str, Any]:
             both = None if prev_cpu is None or cpu is None else prev_cpu + float(cpu)
             pooled[mode] = (prev_recs + recs, prev_wall + wall, both)
     rows["all"] = {m: _cell(recs, wall, cpu) for m, (recs, wall, cpu) in pooled.items()}
-    for r in rows.values():
-        _add_speedups(r)
+    per_split = {split: _analytic_times(rows[split]) for split, _ in SPLITS}
+    for split, times in per_split.items():
+        _add_speedups(rows[split], times)
+    _add_speedups(rows["all"], _pooled_analytic_times(list(per_split.values())))
     cats: dict[str, dict[str, dict]] = {}
     for mode, (recs, _, _) in pooled.items():
         by: dict[str, list[bool]] = {}
@@ -282,12 +309,15 @@ def format_table(summary: dict[str, Any]) -> str:
     notes = [
         "",
         "s/query: the run's wall time / its questions (batches of "
-        f"{summary.get('batch_size', '?')}; a split's modes ran in turns, batch by batch in a "
-        "rotating order); 'all' pools both splits: total time / total questions. speedup: "
-        "agent-only s/query / the mode's s/query.",
+        f"{summary.get('batch_size', '?')}; every mode of both splits ran in turns, batch by "
+        "batch in one rotating order); 'all' pools both splits: total time / total questions. "
+        "speedup: agent-only s/query / the mode's s/query (over all questions: total "
+        "agent-only time / total time of the mode).",
         "beta: share of questions the judge sent to the small model; alpha: share of those the "
         "gate accepted. analytic speedup: L_agent / (c_J + beta*c_S + (1 - beta*alpha)*L_agent) "
-        "from the measured costs below; share of analytic: measured / analytic.",
+        "from the measured costs below; over all questions, total agent-only time / the sum of "
+        "each split's analytic SpecEyes time (its questions times that expression's "
+        "denominator, with the split's costs); share of analytic: measured / analytic.",
         "Category rows: accuracy only, pooled over both splits; time per query cannot be "
         "attributed to a category, since a batch mixes categories and shares its time.",
     ]
@@ -339,7 +369,8 @@ def format_cpu_table(summary: dict[str, Any]) -> str:
         "",
         "CPU s/query: the process CPU time of the mode's batches (all threads) / its questions; "
         "unlike wall time it leaves out the time the process waited for a core. Both are "
-        "measured over the same interleaved batches.",
+        "measured over the same interleaved batches; over all questions, the speedup is total "
+        "agent-only time / total time of the mode by either clock.",
     ]
     return "\n".join(lines + notes) + "\n"
 
