@@ -32,7 +32,7 @@ from speceyes import factory
 from speceyes.agents.zoom import ZoomAgent
 from speceyes.backends.base import checkpoint_geometry
 from speceyes.miniworld import demo
-from tests.vllm_support import MAX_LOGPROBS, SERVED_MODEL, session_server_and_replica
+from tests.vllm_support import ALIAS, MAX_LOGPROBS, SERVED_MODEL, session_server_and_replica
 
 pytest.importorskip("openai", reason="OpenAIBackend needs the openai package")
 
@@ -80,7 +80,9 @@ def replicated_funnel(urls: list[str]):
         s.backend, max_logprobs=MAX_LOGPROBS, large_min_pixels=lo, large_max_pixels=hi
     )
     agent = factory.AgentSettings(kind=ZoomAgent.name, max_tool_calls=2, max_new_tokens=48)
-    s = replace(s, large=",".join(urls), backend=backend, agent=agent)
+    # The second replica serves the model under two names: the one both serve is named.
+    large = f"{','.join(urls)}#model={SERVED_MODEL}"
+    s = replace(s, large=large, backend=backend, agent=agent)
     return factory.build_funnel(s.with_funnel(mode="both", judge="prefix", batch_size=1))
 
 
@@ -138,3 +140,31 @@ def test_a_querys_judge_and_agent_turns_reach_one_replica_and_its_cache(replicas
         }
     finally:
         funnel.large.close()
+
+
+def test_a_server_with_two_model_names_needs_one_named(replicas):
+    """Behind one URL a gateway may serve several models: unnamed, the backend refuses and
+    lists them; named (``URL#model=ID``, as ``--large-model ID`` writes it), its calls carry
+    that id and the server answers them under it."""
+    from speceyes.backends.base import BackendError
+    from speceyes.backends.openai import OpenAIBackend
+
+    url = replicas[1].url
+    unnamed = OpenAIBackend(url, family="qwen2_5_vl", max_logprobs=MAX_LOGPROBS)
+    try:
+        with pytest.raises(BackendError, match="serves 2 models") as e:
+            unnamed.check_servers()
+        assert ALIAS in str(e.value) and str(SERVED_MODEL) in str(e.value)
+    finally:
+        unnamed.close()
+    named = OpenAIBackend(url, ALIAS, family="qwen2_5_vl", max_logprobs=MAX_LOGPROBS)
+    try:
+        named.check_servers()
+        assert named.model == ALIAS
+        before = replicas[1].counters().get(FINISHED, 0.0)
+        (turn,) = named.chat([[{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]],
+                             max_new_tokens=2)
+        assert isinstance(turn.text, str)
+        assert replicas[1].counters()[FINISHED] == before + 1
+    finally:
+        named.close()

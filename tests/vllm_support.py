@@ -32,7 +32,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,8 +74,14 @@ def vllm_env() -> dict[str, str]:
     }
 
 
-def server_command(model: Path, port: int) -> list[str]:
-    """The server's command line (the README shows the same)."""
+def server_command(model: Path, port: int, names: Sequence[str] = ()) -> list[str]:
+    """The server's command line (the README shows the same); ``names``: the model's served
+    names (``--served-model-name``; default: its folder's path)."""
+    served = ["--served-model-name", *names] if names else []
+    return [*_command(model, port), *served]
+
+
+def _command(model: Path, port: int) -> list[str]:
     return [
         str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model),
@@ -175,7 +181,7 @@ def start_server(model: Path, log: Path, timeout: float = START_TIMEOUT) -> VLLM
     return wait_ready(launch_server(model, log), timeout)
 
 
-def launch_server(model: Path, log: Path) -> VLLMServer:
+def launch_server(model: Path, log: Path, names: Sequence[str] = ()) -> VLLMServer:
     """Start a server serving the model folder ``model`` (log to ``log``) without waiting for
     it. Call from the thread that outlives the server: Linux delivers the parent-death signal
     when the *thread* that started the child exits."""
@@ -186,7 +192,7 @@ def launch_server(model: Path, log: Path) -> VLLMServer:
     out = log.open("wb")
     try:
         proc = subprocess.Popen(
-            server_command(model, port),
+            server_command(model, port, names),
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -259,15 +265,20 @@ def vllm_server(tmp_path_factory) -> Iterator[VLLMServer]:
             server.stop()
 
 
+ALIAS = "mini-world-large"  # the replica's second served name
+
+
 @contextmanager
 def session_server_and_replica(request: Any, log: Path) -> Iterator[list[VLLMServer]]:
     """Two replicas of the served model: the session's server (``vllm_server``) and a second,
     started with the same command line and stopped on leaving (also on an interrupt). The
     second is launched before the session's server is asked for, so when that one is not up
-    yet both start together (one start-up's wait)."""
+    yet both start together (one start-up's wait). The second serves the model under two
+    names, its folder's path and :data:`ALIAS` (``--served-model-name``), as a gateway serving
+    several models behind one URL lists them."""
     require_vllm_venv()
     with _sigterm_as_interrupt():
-        second = launch_server(SERVED_MODEL, log)
+        second = launch_server(SERVED_MODEL, log, names=(str(SERVED_MODEL), ALIAS))
         try:
             first = request.getfixturevalue("vllm_server")
             yield [first, wait_ready(second)]
