@@ -148,6 +148,17 @@ def test_vstar_split_runs_fill_their_own_column_with_their_own_speedup(tmp_path)
         assert spec[col].baseline == str(tmp_path / f"{cat}-agent")
         assert spec[col].ours_accuracy == pytest.approx(_accuracy(tmp_path / f"{cat}-spec"))
     assert not table.notes
+    # The speedup's denominator is said, and a run whose agent-only run used another schedule
+    # is noted.
+    for run, schedule in zip(runs, ("serial", "batched", "serial", "serial"), strict=True):
+        rd = RunDir(run)
+        results = rd.read_results()
+        results["config"]["schedule"] = schedule
+        rd.write_results(results)
+    table = build_table1(runs)
+    assert "Agent-loop schedule of these runs: batched, serial" in format_markdown(table)
+    notes = table.notes
+    assert any("differ in schedule" in n for n in notes), notes
 
 
 def test_vstar_split_flag_loads_one_category(tmp_path):

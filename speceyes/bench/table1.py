@@ -31,6 +31,7 @@ from typing import Any
 from speceyes.bench import paper_table1 as paper
 from speceyes.bench.report import report_rows, rescore
 from speceyes.bench.runlog import Run, load_run
+from speceyes.rundir import RunDir
 
 __all__ = [
     "SCORINGS",
@@ -227,7 +228,7 @@ def _measured_speedup(p: _Placed, base: _Placed) -> float | None:
 def _setting_notes(p: _Placed, base: _Placed) -> list[str]:
     differs = [
         key
-        for key in ("protocol", "limit", "data")
+        for key in ("protocol", "limit", "data", "schedule")
         if p.run.config.get(key) != base.run.config.get(key)
     ]
     if not differs:
@@ -359,6 +360,17 @@ def format_markdown(table: Table1) -> str:
         "Accuracy in percent; speedup = the agent-only run's seconds per query / this run's "
         "(speceyes report); diff = ours - paper.",
     ]
+    logged = {c.run for r in table.rows for c in r.cells if c.run}
+    schedules = sorted({str(s) for run in logged
+                        if (s := RunDir(run).read_results().get("config", {}).get("schedule"))})
+    if schedules:
+        # The speedup's denominator: serial agent loops are the released code's (Table 1's);
+        # batched or pipelined ones make agent-only faster and every speedup smaller.
+        notes.append(
+            f"Agent-loop schedule of these runs: {', '.join(schedules)} (serial: one loop at a "
+            "time, as the released code and Table 1; batched/pipelined: a faster agent-only "
+            "baseline, so smaller speedups)."
+        )
     if any(c.pooled_speedup and c.ours_speedup is not None for r in table.rows for c in r.cells):
         notes.append(
             f"{POOLED_MARK} one run over several splits: its one speedup fills each of them."
