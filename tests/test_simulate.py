@@ -418,3 +418,19 @@ def test_every_judge_variant_runs_in_the_table_and_cli(tmp_path, capsys):
     md = (out / sm.MD_FILE).read_text()
     assert '"large_decode_s": 0.02' in md and '"image_tokens": 16320' in md
     assert "no prefix caching" in md and "judge view 200704 px" in md
+
+
+def test_image_preprocessing_delays_the_first_request_with_the_image_once_per_server():
+    base = sm.CostModel()
+    slow = replace(base, image_preprocess_s=0.25)
+    d = sm.draw(base, 40, 0.8, 0.71, seed=3)
+    for schedule, judge, extra in (("agent-only", "large", 0.25), ("speceyes", "large", 0.25),
+                                   ("speceyes", "none", 0.25)):
+        a = sm.simulate_one(schedule, base, d, 1, judge=judge).latencies
+        b = sm.simulate_one(schedule, slow, d, 1, judge=judge).latencies
+        if schedule == "speceyes" and judge == "none":
+            # no judge on the large server: an agent loop pays for the image again there
+            to_agent = b - a > 0.3
+            assert np.allclose((b - a)[to_agent], 0.5) and np.allclose((b - a)[~to_agent], extra)
+        else:  # judge and small answer wait side by side; the agent's turn finds it processed
+            assert np.allclose(b - a, extra), (schedule, judge)

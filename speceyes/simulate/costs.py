@@ -137,6 +137,11 @@ class CostModel:
     crop_tokens: int = 580  # a DeepEyes zoom crop (V*: 36% of each side, smart_resized)
     tool_text_tokens: int = 60
     tool_s: float = 0.01
+    # CPU seconds a server spends decoding and resizing a query's full image before its first
+    # request with it can start (once per server: a later request with the same image hits
+    # vLLM's multimodal processor cache). 0 by default: tens of ms with a fast processor next
+    # to the GPU's seconds; docs/throughput.md gives what it measured on a CPU here.
+    image_preprocess_s: float = 0.0
 
     def validate(self) -> None:
         p = np.asarray(self.tool_call_probs, dtype=np.float64)
@@ -146,6 +151,7 @@ class CostModel:
             raise ValueError("decode step times must be positive")
         costs = (
             self.large_prefill_s_per_token, self.small_prefill_s_per_token, self.tool_s,
+            self.image_preprocess_s,
             self.large_vit_s_per_token, self.small_vit_s_per_token,
             self.large_kv_read_s_per_token, self.small_kv_read_s_per_token,
         )

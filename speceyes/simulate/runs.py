@@ -182,6 +182,9 @@ class _Run:
         # the agent's first turn: after a prefix-shared judge, only the tail misses the cache
         full_first = c.prefill_s(LARGE, c.agent_text_tokens, c.image_tokens)
         self.first_hit = schedule == "speceyes" and judge == "prefix" and tail is not None
+        self.large_judged = schedule == "published" or (
+            schedule == "speceyes" and judge in ("large", "prefix")
+        )
         self.first_tokens = tail if self.first_hit else a
         self.first_s = c.prefill_s(LARGE, tail) if self.first_hit else full_first
         # python lists: scalar indexing is several times faster than numpy's
@@ -242,17 +245,29 @@ class _Run:
         if self.next_q < self.n:  # closed loop: this client sends its next query now
             self._issue(t)
 
-    def _submit(self, engine: _Engine, t: float, cls: int, req: tuple, cb: Callback, q: int):
-        engine.submit(t, cls, req[0], req[1], req[2], req[3], cb, q)
+    def _submit(
+        self, engine: _Engine, t: float, cls: int, req: tuple, cb: Callback, q: int,
+        image: bool = False,
+    ) -> None:
+        """``req`` to ``engine`` at ``t``; one that carries the full image waits first for the
+        server's CPU to decode and resize it (``image_preprocess_s``)."""
+        pp = self.costs.image_preprocess_s if image else 0.0
+        if pp > 0:
+            self.sim.at(t + pp, lambda q_, t_: engine.submit(
+                t_, cls, req[0], req[1], req[2], req[3], cb, q_), q)
+        else:
+            engine.submit(t, cls, req[0], req[1], req[2], req[3], cb, q)
 
     # agent loop (phase IV), shared by all schedules
     def _agent_start(self, q: int, t: float) -> None:
         self.turn[q] = 0
         n = self.tt[q][0]
         self.ctx[q] = ctx = self.costs.agent_prefill_tokens + n
-        self.large.submit(
-            t, LARGE, self.first_tokens, self.first_s, n, ctx, self._agent_turn_done, q
-        )
+        req = (self.first_tokens, self.first_s, n, ctx)
+        # After a judge on the large server its image is processed already (vLLM's
+        # multimodal processor cache); otherwise the first turn waits for it.
+        self._submit(self.large, t, LARGE, req, self._agent_turn_done, q,
+                     image=not self.large_judged)
 
     def _agent_turn_done(self, q: int, t: float) -> None:
         k = self.turn[q] + 1
@@ -290,14 +305,14 @@ class _Run:
         if j == "none":
             self.state[q] = 1  # nothing to judge: the gate decides on the answer alone
         elif j == "large":
-            self._submit(self.large, t, LARGE, self.req_judge, self._spec_judged, q)
+            self._submit(self.large, t, LARGE, self.req_judge, self._spec_judged, q, image=True)
         elif j == "prefix":
-            self._submit(self.large, t, LARGE, self.req_prefix_judge, self._spec_judged, q)
+            self._submit(self.large, t, LARGE, self.req_prefix_judge, self._spec_judged, q, image=True)
         elif j == "small":
-            self._submit(self.small, t, SMALL, self.req_small_judge, self._spec_judged, q)
+            self._submit(self.small, t, SMALL, self.req_small_judge, self._spec_judged, q, image=True)
         # the small answer is wasted when the judge says "tool"; it is cheap and on its own GPU
         cb = self._spec_answered_then_judge if j == "small-prefix" else self._spec_answered
-        self._submit(self.small, t, SMALL, self.req_small, cb, q)
+        self._submit(self.small, t, SMALL, self.req_small, cb, q, image=True)
 
     def _spec_answered_then_judge(self, q: int, t: float) -> None:
         # the answer's prompt is cached now: the judge question continues it (one image prefill)
@@ -338,7 +353,7 @@ class _Run:
         del self.pending[: self.pub_batch]
         self.outstanding = len(self.batch)
         for q in self.batch:
-            self._submit(self.large, t, LARGE, self.req_judge, self._pub_judged, q)
+            self._submit(self.large, t, LARGE, self.req_judge, self._pub_judged, q, image=True)
 
     def _pub_judged(self, q: int, t: float) -> None:
         self.outstanding -= 1
@@ -350,7 +365,7 @@ class _Run:
             self._pub_gate(t)
             return
         for q2 in free:
-            self._submit(self.small, t, SMALL, self.req_small, self._pub_answered, q2)
+            self._submit(self.small, t, SMALL, self.req_small, self._pub_answered, q2, image=True)
 
     def _pub_answered(self, q: int, t: float) -> None:
         self.outstanding -= 1
