@@ -160,6 +160,7 @@ class Settings:
             speculate_depth=arg("speculate_depth", f.speculate_depth),
             middle_tier=bool(arg("middle_tier", f.middle_tier)),
             small_agent=arg("small_agent"),
+            points=_points_file(arg("points")),
         )
         b = BackendSettings
         settings = cls(
@@ -337,6 +338,15 @@ def _with_model(spec: str | None, model: str | None) -> str | None:
     from speceyes.backends.openai import with_model
 
     return with_model(spec, model)
+
+
+def _points_file(path: str | None) -> list[dict[str, Any]] | None:
+    """``--points FILE``: the operating points ``--judge auto`` picks among, as dicts."""
+    if path is None:
+        return None
+    from speceyes.operating_points import read_points
+
+    return [asdict(p) for p in read_points(path)]
 
 
 def _cascade_of(

@@ -52,6 +52,10 @@ latency behind the judge when the two models live on different devices or server
   the answer is done (phase II runs before phase I), so a prefix-caching server prefills the
   image once for both.
 - ``none``: no judge; the small model answers every query and the gate alone decides.
+- ``auto``: per batch, one of the configured operating points (a variant with its own tau),
+  the one with the highest expected throughput at the load then
+  (:class:`speceyes.operating_points.PointChooser`); every step of the batch reads that
+  point's configuration (``Batch.cfg``).
 """
 
 from __future__ import annotations
@@ -72,6 +76,7 @@ from speceyes.agents.base import EMPTY, END, Agent, LoopAgent, drive_loops
 from speceyes.backends.base import Backend, BackendError, per_item
 from speceyes.images import MIN_PIXELS, load_image, resize_for_model
 from speceyes.judging import JudgeMode
+from speceyes.operating_points import AUTO, OperatingPoint, PointChooser
 from speceyes.rates import beta_alpha
 from speceyes.types import (  # the funnel's vocabulary, re-exported for older imports
     AGENT_ONLY_MODES,
@@ -118,6 +123,25 @@ class FunnelConfig:
     middle_tier: bool = False  # the large model's direct answer, gated (large_direct)
     small_agent: str | None = None  # the small model's loop; None: cascade.default_small_agent
     stage_taus: dict[str, float] | None = None  # a threshold per stage; a stage not named: tau
+    # ---- --judge auto: the operating points it picks among (operating_points.OperatingPoint
+    # fields: judge, tau, beta, alpha, alpha_tool, judge_max_pixels), one per batch by load
+    points: list[dict[str, Any]] | None = None
+
+    def operating_points(self) -> list[OperatingPoint]:
+        """``--judge auto``'s points (ValueError when there are none or one is malformed)."""
+        if not self.points:
+            raise ValueError("--judge auto needs operating points (--points FILE)")
+        try:
+            return [OperatingPoint(**p) for p in self.points]
+        except TypeError as e:
+            raise ValueError(f"an operating point has an unknown field: {e}") from e
+
+    def at_point(self, point: OperatingPoint) -> FunnelConfig:
+        """This configuration with ``point``'s judge, view and threshold (a batch's, under
+        ``--judge auto``)."""
+        tau = self.tau if point.tau is None else point.tau
+        return replace(self, judge=point.judge, judge_max_pixels=point.judge_max_pixels,
+                       tau=tau, points=None)
 
     @property
     def cascade(self) -> bool:
@@ -147,8 +171,16 @@ class FunnelConfig:
             raise ValueError("top_k must be at least 2")
         if (self.batch_size is not None and self.batch_size < 1) or self.max_agent_loops < 1:
             raise ValueError("batch_size and max_agent_loops must be at least 1")
-        if self.judge not in JUDGES:
-            raise ValueError(f"unknown judge {self.judge!r}; choose from {', '.join(JUDGES)}")
+        if self.judge == AUTO:
+            if self.judge_max_pixels is not None:
+                raise ValueError("--judge auto: a judge view budget belongs to each point")
+            self.operating_points()  # raises on a missing or bad point
+        elif self.judge not in JUDGES:
+            raise ValueError(
+                f"unknown judge {self.judge!r}; choose from {', '.join((*JUDGES, AUTO))}"
+            )
+        elif self.points:
+            raise ValueError("operating points are for --judge auto")
         if self.judge_max_pixels is not None:
             if self.judge not in ("large", "small"):
                 raise ValueError(
@@ -182,7 +214,7 @@ class FunnelConfig:
         """Its fields; the cascade's only where they differ from the defaults, so a two-stage
         funnel's run configuration reads (and resumes) as before the cascade existed."""
         out = asdict(self)
-        for name, default in CASCADE_DEFAULTS.items():
+        for name, default in {**CASCADE_DEFAULTS, "points": None}.items():
             if out[name] == default:
                 del out[name]
         return out
@@ -205,6 +237,7 @@ class FunnelStats:
     tool_free: int = 0
     accepted: int = 0
     blank: int = 0  # judged tool-free answers that were empty or whitespace (never accepted)
+    points: dict[str, int] = field(default_factory=dict)  # --judge auto: queries per point
     errors: int = 0
     # The cascade, per stage: the queries it answered, and those whose final answer it gave
     # (the first stage whose gate passed); empty without a cascade.
@@ -295,6 +328,9 @@ class Batch:
     # The cascade: accepted at a stage past small@0 (index -> its first such stage).
     cascade_accepted: dict[int, str] = field(default_factory=dict)
     to_agent: list[int] = field(default_factory=list)  # IV: the queries the agent runs
+    # the configuration its steps read: the funnel's, or its operating point's (--judge auto)
+    cfg: FunnelConfig = field(default_factory=FunnelConfig)
+    point: OperatingPoint | None = None
 
     def still_open(self, everyone: bool) -> list[int]:
         """The live queries a cascade stage runs on: all (``both``) or those not yet accepted."""
@@ -332,7 +368,14 @@ class Funnel:
         name = agent.name if agent is not None else None
         self._protocol = protocols.get_protocol(self.config.protocol)
         self._family = self._protocol.family_of(name)
-        if self.config.judge == "prefix" and agent is not None and not agent.shares_first_prompt:
+        self._chooser: PointChooser | None = None
+        judges = {self.config.judge}
+        if self.config.judge == AUTO:
+            points = self.config.operating_points()
+            judges = {p.judge for p in points}
+            self._chooser = PointChooser(points, shared_device=_shares_device(small, large))
+        self._in_agent = 0  # queries handed to phase IV and not yet done (--judge auto's load)
+        if "prefix" in judges and agent is not None and not agent.shares_first_prompt:
             raise ValueError(
                 "--judge prefix: this agent's first prompt cannot be shared with the judge "
                 "(the Thyme agent's names a per-run sandbox file); use large, small, "
@@ -391,12 +434,16 @@ class Funnel:
             self._speculate(batch, list(batch.live))
         if plan.gate:
             self._gate(batch)
-        if self.config.cascade:
+        if batch.cfg.cascade:
             self._cascade(batch)
         if plan.agent == "all":
             batch.to_agent = list(batch.live)
         elif plan.agent == "rest":
             batch.to_agent = batch.still_open(everyone=False)
+        if batch.point is not None:
+            self._observe_point(batch)
+        with self._stats_lock:
+            self._in_agent += len(batch.to_agent)
         needs_agent = set(batch.to_agent)
         for i in range(len(batch.results)):
             if i not in needs_agent:
@@ -405,7 +452,7 @@ class Funnel:
 
     def _judge_and_speculate(self, batch: Batch) -> None:
         """Phases I and II in the order the judge variant asks for."""
-        cfg = self.config
+        cfg = batch.cfg
         everyone = list(batch.live)
         if cfg.judge == "small-prefix":
             # The answer first: its prompt is then cached for the judge question that follows.
@@ -424,7 +471,13 @@ class Funnel:
     def _open(self, queries: Sequence[Query]) -> Batch:
         """A batch's state with every image loaded; a query whose image cannot be read fails
         here, alone."""
-        batch = Batch(results=[Result(id=q.id, answer="") for q in queries], live={})
+        batch = Batch(results=[Result(id=q.id, answer="") for q in queries], live={},
+                      cfg=self.config)
+        if self._chooser is not None:  # --judge auto: this batch's point, by the load now
+            with self._stats_lock:
+                in_flight = len(queries) + self._in_agent
+            batch.point = self._chooser.choose(in_flight)
+            batch.cfg = self.config.at_point(batch.point)
         unreadable = 0
         for i, q in enumerate(queries):
             try:
@@ -441,7 +494,7 @@ class Funnel:
     def _judge(self, batch: Batch) -> None:
         """Phase I over every live query: P(tool) and the verdict; ``tool_free`` lists the
         queries judged tool-free (a failed judgment counts as "tools needed")."""
-        cfg = self.config
+        cfg = batch.cfg
         idx = list(batch.live)
         if cfg.judge == "none":  # no model call: every query goes on to the gate
             for i in idx:
@@ -451,7 +504,7 @@ class Funnel:
             return
         if not idx:
             return
-        backend, build = self._judge_setup()
+        backend, build = self._judge_setup(cfg)
         idx, msgs = self._messages(build, batch, idx)
         if not idx:
             return
@@ -482,10 +535,9 @@ class Funnel:
         batch.tool_free = tool_free
         self._count(judged=len(idx))
 
-    def _judge_setup(self) -> tuple[Backend, Callable[..., list[dict]]]:
+    def _judge_setup(self, cfg: FunnelConfig) -> tuple[Backend, Callable[..., list[dict]]]:
         """Phase I's model and prompt builder ``(image, question, options) -> messages`` for
-        the configured judge variant."""
-        cfg = self.config
+        the batch's judge variant."""
         if cfg.judge == "prefix":
             return self.large, self._prefix_judge_messages
         if cfg.judge == "small-prefix":
@@ -507,7 +559,7 @@ class Funnel:
     def _speculate(self, batch: Batch, idx: Sequence[int]) -> None:
         """Phase II: the small model's answers for ``idx``, each with the top-K values of
         every generated token."""
-        cfg = self.config
+        cfg = batch.cfg
         if not idx:
             return
         build = partial(self._protocol.small_messages, self._family)
@@ -548,7 +600,7 @@ class Funnel:
     def _gate(self, batch: Batch) -> None:
         """Phase III: the confidence of every speculative answer, then (unless the plan only
         records it) acceptance of the judged tool-free answers with confidence > tau."""
-        cfg = self.config
+        cfg = batch.cfg
         if batch.answers:
             idx = list(batch.answers)
             t0 = time.perf_counter()
@@ -591,7 +643,7 @@ class Funnel:
     def _cascade(self, batch: Batch) -> None:
         """The stages past the paper's gate: the small model's speculation depth by depth,
         then the middle tier; in ``both`` every stage runs for every query."""
-        cfg = self.config
+        cfg = batch.cfg
         everyone = self.plan.agent == "all"
         self._small_stage(batch)
         # A stage at tau 1.0 accepts nothing (a calibration switches a costly stage off so),
@@ -608,7 +660,7 @@ class Funnel:
 
     def _small_stage(self, batch: Batch) -> None:
         """Stage small@0's record: phases II and III as they ran (accepted: by phase III)."""
-        stage, tau = small_stage(0), self.config.stage_tau(small_stage(0))
+        stage, tau = small_stage(0), batch.cfg.stage_tau(small_stage(0))
         for i, r in enumerate(batch.results):
             if i not in batch.live or "small" not in r.timings:  # not asked, or discarded
                 continue
@@ -626,7 +678,7 @@ class Funnel:
         """Stages small@1..small@n: the small model's own loop, one tool call at a time; after
         each call it answers on what it last saw, gated at that stage's tau. A loop stops at
         its first accepted answer (``both``: at the end of its loop)."""
-        cfg, spec = self.config, self.speculation
+        cfg, spec = batch.cfg, self.speculation
         everyone = self.plan.agent == "all"
         loops: dict[int, Any] = {}
         for i in idx:
@@ -696,7 +748,7 @@ class Funnel:
         logits, the gate's confidence, each query's stage record; returns the queries whose
         gate passed. ``before``: seconds each query already spent on this stage (its loop's
         step)."""
-        cfg = self.config
+        cfg = batch.cfg
         if not idx:
             return set()
         tau = cfg.stage_tau(stage)
@@ -761,6 +813,11 @@ class Funnel:
         """Agent loops for the ``(batch, index)`` keys ``take`` hands out, in continuous batches
         (``agents.base.drive_loops``); yields each query's final result as its loop ends."""
         for (batch, i), out, seconds in drive_loops(self.agent, take, max_active):
+            with self._stats_lock:
+                running = self._in_agent
+                self._in_agent -= 1
+            if self._chooser is not None:
+                self._chooser.observe_agent(seconds, running)
             r = batch.results[i]
             r.agent_answer = out.answer
             r.tool_calls = out.tool_calls
@@ -770,6 +827,20 @@ class Funnel:
             if out.error:
                 r.error = out.error
             yield self._settle(batch, i)
+
+    def _observe_point(self, batch: Batch) -> None:
+        """--judge auto: the batch's phase I and II seconds per query go to the chooser, and
+        each result records the point that answered it."""
+        n = max(1, len(batch.results))
+        judge = sum(r.timings.get("judge", 0.0) for r in batch.results) / n
+        small = sum(r.timings.get("small", 0.0) for r in batch.results) / n
+        self._chooser.observe_front(batch.point, judge, small)  # type: ignore[union-attr]
+        for r in batch.results:
+            r.trace.append({"type": "operating_point", "point": batch.point.name,
+                            "judge": batch.point.judge, "tau": batch.cfg.tau})
+        with self._stats_lock:
+            name = batch.point.name
+            self.stats.points[name] = self.stats.points.get(name, 0) + len(batch.results)
 
     # ---- a query's end --------------------------------------------------------------------
     def _settle(self, batch: Batch, i: int) -> Result:
@@ -904,6 +975,13 @@ class Funnel:
 
 def _add_time(result: Result, key: str, seconds: float) -> None:
     result.timings[key] = result.timings.get(key, 0.0) + seconds
+
+
+def _shares_device(small: Backend | None, large: Backend | None) -> bool:
+    """Whether both models run on one device (one process's device, the same for both): then
+    their work adds up on it. Models behind URLs declare none and count as separate."""
+    a, b = getattr(small, "device", None), getattr(large, "device", None)
+    return a is not None and str(a) == str(b)
 
 
 def _judge_turn() -> dict:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -174,3 +175,70 @@ def write_points(path: str | Path, points: Sequence[OperatingPoint], **extra: An
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text(json.dumps({"points": [asdict(x) for x in points], **extra}, indent=2) + "\n")
     return p
+
+
+# --- in the funnel: costs measured as it runs --------------------------------------------------
+
+
+class _Mean:
+    """A running mean over the last observations (an exponential moving average: costs drift
+    with load, and the funnel should follow them)."""
+
+    WEIGHT = 0.2  # the newest observation's share
+
+    def __init__(self) -> None:
+        self.value: float | None = None
+
+    def add(self, x: float) -> None:
+        self.value = x if self.value is None else self.value + self.WEIGHT * (x - self.value)
+
+
+class PointChooser:
+    """``--judge auto`` in the funnel: the operating point for the next batch, from the costs
+    the funnel measured so far. Each point runs one batch first, so its costs are measured, not
+    assumed; then :func:`choose` decides with the queries in flight. Thread-safe (the pipelined
+    schedule observes agent loops from another thread)."""
+
+    def __init__(self, points: Sequence[OperatingPoint], shared_device: bool) -> None:
+        if not points:
+            raise ValueError("--judge auto needs at least one operating point")
+        self.points = list(points)
+        self.shared_device = shared_device
+        self._judge = {p.name: _Mean() for p in self.points}  # seconds per query, phase I
+        self._small = {p.name: _Mean() for p in self.points}  # seconds per query, phase II
+        self._agent = _Mean()  # seconds of one agent loop, as it ran
+        self._share = _Mean()  # that loop's share of the engine: 1 / loops running beside it
+        self._lock = threading.Lock()
+
+    def choose(self, in_flight: int) -> OperatingPoint:
+        with self._lock:
+            for p in self.points:
+                if self._judge[p.name].value is None:
+                    return p
+            return choose(self.points, self._costs, max(1, in_flight), self.shared_device)
+
+    def observe_front(self, point: OperatingPoint, judge_s: float, small_s: float) -> None:
+        """Phase I and II seconds per query of one batch that ran at ``point``."""
+        with self._lock:
+            self._judge[point.name].add(judge_s)
+            self._small[point.name].add(small_s)
+
+    def observe_agent(self, seconds: float, loops_running: int) -> None:
+        """One agent loop's seconds, with ``loops_running`` loops sharing the engine."""
+        with self._lock:
+            self._agent.add(seconds)
+            self._share.add(1.0 / max(1, loops_running))
+
+    def _costs(self, point: OperatingPoint, in_flight: int) -> PointCosts:
+        judge = self._judge[point.name].value or 0.0
+        small = self._small[point.name].value or 0.0
+        on_large = point.judge in ("large", "prefix")
+        agent = self._agent.value or 0.0
+        share = self._share.value or 1.0
+        return PointCosts(
+            front_latency=judge + small,
+            large_front=judge if on_large else 0.0,
+            small_front=small + (0.0 if on_large else judge),
+            agent_latency=agent,
+            agent_demand=agent * share,
+        )

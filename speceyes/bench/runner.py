@@ -180,7 +180,19 @@ def summarize(records: list[dict[str, Any]], bench: str) -> dict[str, Any]:
         if records
         else 0.0,
         **({"stages": stages} if (stages := stage_summary(records)) else {}),
+        **({"operating_points": pts} if (pts := point_summary(records)) else {}),
     }
+
+
+def point_summary(records: list[dict]) -> dict[str, dict[str, float | int]]:
+    """``--judge auto``: per operating point, the queries it answered and their accuracy."""
+    by: dict[str, list[bool]] = {}
+    for r in records:
+        point = next((t["point"] for t in r.get("trace") or () if t.get("type") ==
+                      "operating_point"), None)
+        if point is not None:
+            by.setdefault(point, []).append(bool(scoring.record_correct(r)))
+    return {k: {"n": len(v), "accuracy": float(np.mean(v))} for k, v in sorted(by.items())}
 
 
 def _progress(total: int | None, done: int, enabled: bool):

@@ -15,6 +15,7 @@ from speceyes.backends.base import DECODING_POLICIES
 from speceyes.backends.registry import ENGINES, VLLM_SHARED_MEMORY
 from speceyes.factory import AgentSettings, BackendSettings, Settings
 from speceyes.funnel import JUDGES, MODES, PLANS, SCHEDULES, FunnelConfig
+from speceyes.operating_points import AUTO
 from speceyes.types import LARGE_DIRECT_STAGE, small_stage
 
 _SEARCH = registry.AGENTS["search"]
@@ -206,12 +207,19 @@ def add_funnel_args(p: argparse.ArgumentParser, *, schedule: str | None = None) 
     g.add_argument(
         "--judge",
         default=f.judge,
-        choices=JUDGES,
+        choices=(*JUDGES, AUTO),
         help="phase I: large (published: the large model's judge prompt), prefix (the large "
         "model, the judge question after the agent's own first-turn prompt, so a server with "
         "prefix caching reuses that prefill for the agent), small (the small model's judge), "
         "small-prefix (the small model, after its own answer prompt), none (no judge: the "
-        f"gate alone decides); see docs/throughput.md (default: {f.judge})",
+        "gate alone decides), auto (per batch, the operating point of --points with the "
+        f"highest expected throughput at the load then); see docs/throughput.md (default: "
+        f"{f.judge})",
+    )
+    g.add_argument(
+        "--points", default=None, metavar="JSON",
+        help="--judge auto: its operating points, each a judge variant with its own tau and "
+        "rates (a list of {judge, tau, beta, alpha, alpha_tool, judge_max_pixels})",
     )
     g.add_argument(
         "--judge-max-pixels",

@@ -1,0 +1,112 @@
+"""``--judge auto`` in the funnel: each batch at the operating point the load favours, with the
+point's own judge and threshold; on the bundled mini-world models."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from speceyes.agents.search import SearchAgent
+from speceyes.bench.datasets import load_jsonl
+from speceyes.cli.options import add_funnel_args, add_model_args
+from speceyes.factory import BackendSettings, Settings, make_backend
+from speceyes.funnel import Funnel, FunnelConfig
+from speceyes.miniworld import demo
+from speceyes.miniworld.splits import level_defaults, make_split
+from speceyes.operating_points import OperatingPoint, PointChooser
+
+AGENT_KW = dict(grid=2, overlap=0.25, min_region=64, min_box=10, fill_view=True,
+                answer_prompt="small")
+POINTS = [
+    {"judge": "large", "tau": 0.9, "beta": 0.8, "alpha": 0.9},
+    {"judge": "none", "tau": 0.95, "beta": 1.0, "alpha": 0.6},
+]
+
+
+def test_the_chooser_tries_each_point_then_follows_the_load():
+    large, none = (OperatingPoint(**p) for p in POINTS)
+    chooser = PointChooser([large, none], shared_device=False)
+    assert chooser.choose(1) == large  # untried: run it to measure it
+    chooser.observe_front(large, judge_s=0.6, small_s=0.3)
+    assert chooser.choose(1) == none
+    chooser.observe_front(none, judge_s=0.0, small_s=0.3)
+    # An agent loop of 6 s alone, sharing the engine with 31 others under load: its decode
+    # steps are shared, the judge's prefill is not.
+    chooser.observe_agent(6.0, 32)
+    # alone, the judge sends more queries past the agent (latency); under load its
+    # prefill is large-model work that the none point does not spend
+    assert chooser.choose(1) == large
+    assert chooser.choose(256) == none
+
+
+def test_config_checks():
+    with pytest.raises(ValueError, match="needs operating points"):
+        FunnelConfig(judge="auto").validate()
+    with pytest.raises(ValueError, match="for --judge auto"):
+        FunnelConfig(judge="large", points=POINTS).validate()
+    with pytest.raises(ValueError, match="unknown field"):
+        FunnelConfig(judge="auto", points=[{"judge": "large", "speed": 1}]).validate()
+    with pytest.raises(ValueError, match="view budget belongs to each point"):
+        FunnelConfig(judge="auto", points=POINTS, judge_max_pixels=200704).validate()
+    cfg = FunnelConfig(judge="auto", points=POINTS, tau=0.8)
+    at = cfg.at_point(OperatingPoint("none", None))
+    assert (at.judge, at.tau, at.points) == ("none", 0.8, None)
+    assert "points" not in FunnelConfig().to_dict()  # a run without auto logs as before
+
+
+def test_flags_reach_the_config(tmp_path):
+    path = tmp_path / "points.json"
+    path.write_text(json.dumps({"points": POINTS}))
+    ap = argparse.ArgumentParser()
+    add_model_args(ap)
+    add_funnel_args(ap)
+    ns = ap.parse_args(["--small", "s", "--large", "l", "--judge", "auto", "--points", str(path)])
+    funnel = Settings.from_args(ns).funnel
+    assert funnel.judge == "auto"
+    assert [p["judge"] for p in funnel.points] == ["large", "none"]
+    assert funnel.operating_points()[1].tau == 0.95
+
+
+@pytest.fixture(scope="module")
+def models():
+    b = BackendSettings(dtype="float32")
+    small = make_backend(str(demo.MODELS_DIR / "small"), settings=b, role="small")
+    large = make_backend(str(demo.MODELS_DIR / "large"), settings=b)
+    return small, large, SearchAgent(large, depth=1, **AGENT_KW)
+
+
+@pytest.fixture(scope="module")
+def mw_queries(tmp_path_factory):
+    canvas, clutter = level_defaults(1)
+    out = tmp_path_factory.mktemp("mw-auto")
+    make_split(out, "test", 1, seed=0, canvas=canvas, clutter=clutter, level=1)
+    return list(load_jsonl(out / "questions.jsonl"))[:6]
+
+
+def test_each_batch_runs_at_its_point_with_its_judge_and_tau(models, mw_queries):
+    small, large, agent = models
+    f = Funnel(small, large, agent, FunnelConfig(judge="auto", points=POINTS, batch_size=2))
+    results = f.run(mw_queries)
+    points = [next(t for t in r.trace if t["type"] == "operating_point") for r in results]
+    # the first two batches measure each point; every query records the one that answered it
+    assert [p["point"] for p in points[:4]] == ["large", "large", "none", "none"]
+    assert sum(f.stats.points.values()) == len(mw_queries)
+    for r, p in zip(results, points, strict=True):
+        assert p["tau"] == (0.9 if p["judge"] == "large" else 0.95)
+        if p["judge"] == "none":  # no judge: every query is the gate's to decide
+            assert r.p_tool is None and r.judge_tool is False
+        else:
+            assert r.p_tool is not None
+        if r.judge_tool is False and r.confidence is not None:
+            assert (r.route == "small") == (r.confidence > p["tau"])  # the point's own tau
+    # results.json: queries and accuracy per point
+    from speceyes.bench.runner import sample_record, summarize
+
+    records = [sample_record(q, r, "speceyes") for q, r in zip(mw_queries, results, strict=True)]
+    summary = summarize(records, "jsonl")["operating_points"]
+    assert {k: v["n"] for k, v in summary.items()} == f.stats.points
+    for name, v in summary.items():
+        mine = [rec for rec, p in zip(records, points, strict=True) if p["point"] == name]
+        assert v["accuracy"] == pytest.approx(sum(rec["correct"] for rec in mine) / len(mine))
