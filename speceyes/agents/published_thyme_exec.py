@@ -42,14 +42,14 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from speceyes.agents.code import _DANGEROUS, _align_first_line
+from speceyes.agents.code import _DANGEROUS, MIN_CROP, _align_first_line, clamp_crop
 
 try:  # sandbox.py:25 imports it unconditionally; without it the blocks run unformatted
     import autopep8
 except ImportError:  # pragma: no cover - depends on the environment
     autopep8 = None
 
-MIN_CROP_DIMENSION = 64  # sandbox.py:216
+MIN_CROP_DIMENSION = MIN_CROP  # sandbox.py:216 (64)
 VALID_IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".gif", ".bmp", ".tiff", ".webp")  # :178
 COORD_NAMES = ("x1", "y1", "x2", "y2", "left", "top", "right", "bottom")  # :325
 KNOWN_COORD_VARS = (
@@ -85,35 +85,8 @@ def _number(node: ast.AST) -> float | None:
 
 
 def _clamp(box: list[float], width: int, height: int) -> list[float]:
-    """sandbox.py:259-308 _clamp_coordinates."""
-    img_w, img_h = float(width), float(height)
-    cx1, cx2 = min(box[0], box[2]), max(box[0], box[2])
-    cy1, cy2 = min(box[1], box[3]), max(box[1], box[3])
-
-    def axis(lo: float, hi: float, size: float) -> tuple[float, float]:
-        a = min(max(0.0, lo), size - 1.0 if size > 0 else 0.0)
-        b = min(max(0.0, hi), size)
-        if a >= b and size > 0:
-            a = max(0.0, b - 1.0)
-            if b <= a:
-                b = min(size, a + 1.0)
-        if size > 0 and b - a < MIN_CROP_DIMENSION:
-            if size < MIN_CROP_DIMENSION:
-                a, b = 0.0, size
-            else:
-                b = a + MIN_CROP_DIMENSION
-                if b > size:
-                    b = size
-                    a = max(0.0, b - MIN_CROP_DIMENSION)
-        return a, b
-
-    x1, x2 = axis(cx1, cx2, img_w)
-    y1, y2 = axis(cy1, cy2, img_h)
-    if img_w > 0 and x1 >= x2:
-        x2 = min(img_w, x1 + 1.0)
-    if img_h > 0 and y1 >= y2:
-        y2 = min(img_h, y1 + 1.0)
-    return [x1, y1, x2, y2]
+    """sandbox.py:259-308 _clamp_coordinates: the fair Thyme loop's rule (one copy)."""
+    return clamp_crop(box, width, height, MIN_CROP_DIMENSION)
 
 
 class _ImagePath(ast.NodeTransformer):
