@@ -8,17 +8,14 @@ import json
 
 import pytest
 
-from speceyes.agents.search import SearchAgent
 from speceyes.bench.datasets import load_jsonl
 from speceyes.cli.options import add_funnel_args, add_model_args
-from speceyes.factory import BackendSettings, Settings, make_backend
+from speceyes.factory import Settings
 from speceyes.funnel import Funnel, FunnelConfig
-from speceyes.miniworld import demo
 from speceyes.miniworld.splits import level_defaults, make_split
 from speceyes.operating_points import OperatingPoint, PointChooser
+from tests.test_cascade_funnel import models  # noqa: F401, F811  the bundled models, one zoom
 
-AGENT_KW = dict(grid=2, overlap=0.25, min_region=64, min_box=10, fill_view=True,
-                answer_prompt="small")
 POINTS = [
     {"judge": "large", "tau": 0.9, "beta": 0.8, "alpha": 0.9},
     {"judge": "none", "tau": 0.95, "beta": 1.0, "alpha": 0.6},
@@ -70,14 +67,6 @@ def test_flags_reach_the_config(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def models():
-    b = BackendSettings(dtype="float32")
-    small = make_backend(str(demo.MODELS_DIR / "small"), settings=b, role="small")
-    large = make_backend(str(demo.MODELS_DIR / "large"), settings=b)
-    return small, large, SearchAgent(large, depth=1, **AGENT_KW)
-
-
-@pytest.fixture(scope="module")
 def mw_queries(tmp_path_factory):
     canvas, clutter = level_defaults(1)
     out = tmp_path_factory.mktemp("mw-auto")
@@ -85,7 +74,7 @@ def mw_queries(tmp_path_factory):
     return list(load_jsonl(out / "questions.jsonl"))[:6]
 
 
-def test_each_batch_runs_at_its_point_with_its_judge_and_tau(models, mw_queries):
+def test_each_batch_runs_at_its_point_with_its_judge_and_tau(models, mw_queries):  # noqa: F811
     small, large, agent = models
     f = Funnel(small, large, agent, FunnelConfig(judge="auto", points=POINTS, batch_size=2))
     results = f.run(mw_queries)
