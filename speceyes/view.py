@@ -423,6 +423,15 @@ def _gold_boxes(s: dict[str, Any], bench: str | None) -> list[list[float]]:
     return out
 
 
+def _point(trace: Any) -> str | None:
+    """The operating point that answered the query (``--judge auto``), with its tau."""
+    for t in trace if isinstance(trace, list) else ():
+        if isinstance(t, dict) and t.get("type") == "operating_point":
+            tau = _num(t.get("tau"))
+            return _short(f"{t.get('point')}" + ("" if tau is None else f", tau {tau:g}"), 80)
+    return None
+
+
 def _card(s: dict[str, Any], image: str | None, bench: str | None) -> dict[str, Any]:
     boxes, steps = _steps(s.get("trace"))
     timings = {k: round(v, 6) for k, v in (s.get("timings") or {}).items() if _num(v) is not None}
@@ -434,6 +443,7 @@ def _card(s: dict[str, Any], image: str | None, bench: str | None) -> dict[str, 
         "g": s.get("answer"),
         "r": s.get("route") or "",
         "pt": _num(s.get("p_tool")),
+        "op": _point(s.get("trace")),
         "cf": _num(s.get("confidence")),
         "tk": s.get("_tokens"),
         "sa": _short(s.get("small_answer"), 500),

@@ -99,3 +99,8 @@ def test_each_batch_runs_at_its_point_with_its_judge_and_tau(models, mw_queries)
     for name, v in summary.items():
         mine = [rec for rec, p in zip(records, points, strict=True) if p["point"] == name]
         assert v["accuracy"] == pytest.approx(sum(rec["correct"] for rec in mine) / len(mine))
+    # the viewer's card shows it
+    from speceyes.view import _card
+
+    assert _card(records[0], None, None)["op"] == "large, tau 0.9"
+    assert "op" not in _card({**records[0], "trace": []}, None, None)

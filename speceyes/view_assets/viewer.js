@@ -174,6 +174,7 @@
     let h = `<div class="res ${cls}"><div class="rn">${esc(run.name)}</div>`;
     h += `<div><span class="badge">${esc(c.r || "(no route)")}</span></div>`;
     if (c.pt !== undefined) h += `<div>P(tool) ${fmt(c.pt, 3)}</div>`;
+    if (c.op !== undefined) h += `<div>operating point ${esc(c.op)}</div>`;
     if (c.cf !== undefined) {
       const tau = run.tau;
       const pass = tau !== null && tau !== undefined ? c.cf > tau : null;
