@@ -28,6 +28,7 @@ from speceyes.bench.calibration_file import (
     check_setup,
     judge_words,
     read_calibration,
+    recorded_setup,
     run_setup,
     setup_of,
     write_calibration,
@@ -165,7 +166,6 @@ def calibrate(
         note = (note + " " if note else "") + "no candidate tau passed the test: accept nothing"
     acc, share, speed = _expectations(calib_run, res.tau, g)
     cfg = run.config
-    setup = run_setup(cfg)
     return Calibration(
         tau=res.tau,
         top_k=g.top_k,
@@ -186,12 +186,7 @@ def calibrate(
         passed=res.passed,
         source=source,
         note=note,
-        models=setup.models,
-        agent=setup.agent,
-        judge=setup.judge,
-        judge_max_pixels=setup.judge_max_pixels,
-        judge_mode=cfg.get("judge_mode"),
-        judge_threshold=cfg.get("judge_threshold"),
+        **recorded_setup(cfg),
         family=[
             {
                 "top_k": m.top_k,

@@ -161,6 +161,16 @@ def run_setup(config: dict[str, Any]) -> CalibrationSetup:
     )
 
 
+def recorded_setup(config: dict[str, Any]) -> dict[str, Any]:
+    """The setup fields a calibration file records from the run it was made on: the run's
+    setup (:func:`run_setup`) and the judge mode and threshold it ran with."""
+    return {
+        **run_setup(config).to_dict(),
+        "judge_mode": config.get("judge_mode"),
+        "judge_threshold": config.get("judge_threshold"),
+    }
+
+
 def _same_model(recorded: str | None, given: str | None) -> bool:
     """Same model spec: equal text, or the same existing folder."""
     if recorded is None or given is None:

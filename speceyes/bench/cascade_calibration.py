@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from speceyes.bench import cascade_replay as cr
-from speceyes.bench.calibration_file import Calibration, _json_safe, run_setup
+from speceyes.bench.calibration_file import Calibration, _json_safe, recorded_setup
 from speceyes.bench.ltt import (
     NO_TAU,
     LttScan,
@@ -348,7 +348,6 @@ def calibrate_cascade(
     if test_run is not None:
         held_out = asdict(cr.replay_cascade(test_run, choice.taus, cat_taus))
     cfg = run.config
-    setup = run_setup(cfg)
     small0 = choice.taus.get(cr.SMALL0, NO_TAU)
     gate = cr.rg.resolve_gate(calib_run)
     base = Calibration(
@@ -374,12 +373,7 @@ def calibrate_cascade(
         passed=choice.passed or any(c.passed for c in (cat_choices or {}).values()),
         source=str(run.path),
         note="" if choice.passed else "no threshold vector passed the test: accept nothing",
-        models=setup.models,
-        agent=setup.agent,
-        judge=setup.judge,
-        judge_max_pixels=setup.judge_max_pixels,
-        judge_mode=cfg.get("judge_mode"),
-        judge_threshold=cfg.get("judge_threshold"),
+        **recorded_setup(cfg),
         split=None if split is None else str(split),
         held_out=None if held_out is None else _held_out_summary(held_out),
         speedup_model=in_sample.speedup_model,
