@@ -484,7 +484,9 @@ def simulate(
     missing = [j for j in judges if j != AUTO and j not in point_of]
     if missing:
         raise ValueError(f"judge {missing[0]!r} has no operating point in the points given")
-    draws: dict[tuple[float, float, float], Draws] = {}
+    # the schedules without a judge variant (agent-only, published) run on the global rates
+    d = draw(costs, n_queries, beta, alpha, seed, alpha_tool)
+    draws: dict[tuple[float, float, float], Draws] = {(beta, alpha, alpha_tool): d}
 
     def draws_of(p: OperatingPoint) -> Draws:  # one seed: the same uniforms for every point
         key = (p.beta, p.alpha, p.alpha_tool)
@@ -492,7 +494,6 @@ def simulate(
             draws[key] = draw(costs, n_queries, p.beta, p.alpha, seed, p.alpha_tool)
         return draws[key]
 
-    d = draw(costs, n_queries, beta, alpha, seed, alpha_tool)
     gain = analytic(costs, beta, alpha).ideal_gain
     pair = 1 if costs.shared_gpu else 2  # GPUs of the two-model schedules
     runs: list[tuple[str, str]] = []
