@@ -118,7 +118,7 @@ def expected_throughput(
     return _estimate(point, costs, in_flight, shared_device)[0]
 
 
-# Bounds this close count as equal: the next criteria decide.
+# Estimates this close count as equal: the next criteria decide.
 TIE = 1e-3
 
 
@@ -128,8 +128,8 @@ def choose(
     in_flight: int,
     shared_device: bool,
 ) -> OperatingPoint:
-    """The point with the highest expected throughput at this load. Between points whose bounds
-    tie (the same device limits both), the one with less work over all devices wins, since
+    """The point with the highest expected throughput at this load. Between points whose
+    estimates tie (the same device limits both), the one with less work over all devices wins, since
     real queues feel every device's load, then the one with the shorter R0, then the earlier
     point in ``points``."""
     if not points:
@@ -145,8 +145,8 @@ def choose(
 
 
 def read_points(path: str | Path) -> list[OperatingPoint]:
-    """Operating points from JSON: a list of point objects, or ``{"points": [...]}`` (the file
-    ``speceyes calibrate --operating-points`` writes)."""
+    """Operating points from JSON: a list of point objects, or ``{"points": [...]}`` (as
+    :func:`write_points` writes it)."""
     p = Path(path)
     try:
         data: Any = json.loads(p.read_text())

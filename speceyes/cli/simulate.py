@@ -40,8 +40,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     sim.add_argument(
         "--points", default=None, metavar="JSON",
-        help="operating points (judge variant, tau, beta, alpha, alpha_tool each), as "
-        "`speceyes calibrate --operating-points` writes them: every static variant runs at its "
+        help="operating points: a JSON list of {judge, tau, beta, alpha, alpha_tool} (each "
+        "variant's rates measured at its own tau); every static variant runs at its "
         "point's rates and auto picks among them (default: every variant at --beta/--alpha, "
         "none also at --alpha-tool)",
     )

@@ -460,8 +460,8 @@ def simulate(
     per C when agent-only is run. The same seeded draws serve every run, so differences come
     from the schedule alone.
 
-    ``points``: operating points (each judge variant with its own rates, e.g. from
-    ``speceyes calibrate --operating-points``); a static variant then runs at its point's rates,
+    ``points``: operating points (each judge variant with its own tau and the rates measured
+    at it, :func:`speceyes.operating_points.read_points`); a static variant then runs at its point's rates,
     and ``auto`` picks among them per C (:func:`speceyes.simulate.auto.choose_point`). Without
     them every variant shares ``beta``, ``alpha`` and, for ``none``, ``alpha_tool``."""
     costs = costs or CostModel()
