@@ -27,6 +27,7 @@ from speceyes.agents import registry
 from speceyes.agents.zoom import ZoomAgent
 from speceyes.backends import registry as engines
 from speceyes.funnel import FunnelConfig
+from speceyes.operating_points import AUTO
 
 if TYPE_CHECKING:
     import argparse
@@ -150,7 +151,8 @@ class Settings:
             top_k=arg("top_k", f.top_k),
             agg=arg("agg", f.agg),
             judge_mode=arg("judge_mode", f.judge_mode),
-            judge=arg("judge", f.judge),
+            # a points file is for --judge auto, so it is the default where one is given
+            judge=arg("judge", AUTO if arg("points") else f.judge),
             judge_max_pixels=arg("judge_max_pixels"),
             batch_size=arg("batch_size"),
             schedule=arg("schedule"),  # None: the protocol's
@@ -160,7 +162,6 @@ class Settings:
             speculate_depth=arg("speculate_depth", f.speculate_depth),
             middle_tier=bool(arg("middle_tier", f.middle_tier)),
             small_agent=arg("small_agent"),
-            points=_points_file(arg("points")),
         )
         b = BackendSettings
         settings = cls(
@@ -196,6 +197,8 @@ class Settings:
             ),
             funnel=funnel,
         )
+        if arg("points"):
+            settings = settings.with_points_file(arg("points"))
         calibration = arg("calibration")
         return settings if calibration is None else settings.with_calibration(calibration)
 
@@ -301,6 +304,42 @@ class Settings:
             funnel = _with_cascade(funnel, *cascade)
         return replace(self, funnel=funnel)
 
+    def with_points_file(self, path: str | os.PathLike[str]) -> Settings:
+        """These settings with a points file's gate and judge mode (as ``with_calibration``
+        applies a calibration's); refused (ValueError) when the file records other models or
+        another agent: its taus hold only for the setup they were calibrated on."""
+        from speceyes.bench.calibration_file import CalibrationSetup, setup_of
+        from speceyes.operating_points import read_points_file
+
+        pf = read_points_file(path)
+        f = self.funnel
+        if pf.setup is not None:
+            given = setup_of(self)
+            recorded = CalibrationSetup(pf.setup.get("models"), pf.setup.get("agent"))
+            differing = recorded.differences(
+                CalibrationSetup(given.models, given.agent)
+            )
+            if differing:
+                raise ValueError(
+                    f"the points file {path} was calibrated for another setup "
+                    f"({', '.join(differing)} differ: it records models "
+                    f"{recorded.models} and agent {recorded.agent!r}); its taus hold only for "
+                    "that setup: pass the same options, or calibrate on runs made with these"
+                )
+        gate_values = pf.gate or {}
+        funnel = replace(
+            f,
+            points=[asdict(p) for p in pf.points],
+            top_k=int(gate_values.get("top_k", f.top_k)),
+            agg=str(gate_values.get("agg", f.agg)),
+            scale=float(gate_values.get("scale", f.scale)),
+            judge_mode=pf.judge_mode or f.judge_mode,
+            judge_threshold=f.judge_threshold
+            if pf.judge_threshold is None
+            else float(pf.judge_threshold),
+        )
+        return replace(self, funnel=funnel)
+
     def with_funnel(self, **changes: Any) -> Settings:
         """These settings with some funnel fields changed (e.g. another ``mode``)."""
         return replace(self, funnel=replace(self.funnel, **changes))
@@ -338,15 +377,6 @@ def _with_model(spec: str | None, model: str | None) -> str | None:
     from speceyes.backends.openai import with_model
 
     return with_model(spec, model)
-
-
-def _points_file(path: str | None) -> list[dict[str, Any]] | None:
-    """``--points FILE``: the operating points ``--judge auto`` picks among, as dicts."""
-    if path is None:
-        return None
-    from speceyes.operating_points import read_points
-
-    return [asdict(p) for p in read_points(path)]
 
 
 def _cascade_of(

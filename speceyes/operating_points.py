@@ -170,6 +170,40 @@ def read_points(path: str | Path) -> list[OperatingPoint]:
     return out
 
 
+@dataclass(frozen=True)
+class PointsFile:
+    """A points file as ``calibrate --operating-points`` writes it: the points, and where the
+    file records them, the setup the points' taus hold for (``{"models", "agent"}``), the gate
+    they were calibrated with (``{"top_k", "agg", "scale"}``), the judge mode and threshold,
+    and the family's guarantee. A hand-written list of points records none of these."""
+
+    points: list[OperatingPoint]
+    setup: dict[str, Any] | None = None
+    gate: dict[str, Any] | None = None
+    judge_mode: str | None = None
+    judge_threshold: float | None = None
+    guarantee: dict[str, Any] | None = None
+
+
+def read_points_file(path: str | Path) -> PointsFile:
+    """:func:`read_points` with what the file records besides the points."""
+    points = read_points(path)
+    data = json.loads(Path(path).read_text())
+    if not isinstance(data, dict):
+        return PointsFile(points)
+    for key in ("setup", "gate", "guarantee"):
+        if data.get(key) is not None and not isinstance(data[key], dict):
+            raise ValueError(f"{path}: {key} must be an object")
+    return PointsFile(
+        points,
+        setup=data.get("setup"),
+        gate=data.get("gate"),
+        judge_mode=data.get("judge_mode"),
+        judge_threshold=data.get("judge_threshold"),
+        guarantee=data.get("guarantee"),
+    )
+
+
 def write_points(path: str | Path, points: Sequence[OperatingPoint], **extra: Any) -> Path:
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)

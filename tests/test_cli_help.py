@@ -25,7 +25,6 @@ OWNED = {
     "--top-k": FunnelConfig.top_k,
     "--agg": FunnelConfig.agg,
     "--judge-mode": FunnelConfig.judge_mode,
-    "--judge": FunnelConfig.judge,
     "--protocol": FunnelConfig.protocol,
     "--max-agent-loops": FunnelConfig.max_agent_loops,
 }
@@ -60,6 +59,18 @@ def _default(text: str) -> str:
     found = re.findall(r"\(default: ([^()]*)\)", text)
     assert found, text
     return found[-1]
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_judge_default_is_the_published_one_or_auto_with_points(command, capsys, tmp_path):
+    """--judge: the funnel's judge, or auto where a points file is given (auto needs one)."""
+    shown = _default(_help(command, capsys)["--judge"])
+    assert shown == f"{FunnelConfig.judge}; auto when --points is given"
+    points = tmp_path / "p.json"
+    points.write_text('[{"judge": "none", "tau": 0.9}]')
+    for extra, judge in (([], FunnelConfig.judge), (["--points", str(points)], "auto")):
+        args = build_parser().parse_args([command, *COMMANDS[command], *extra])
+        assert Settings.from_args(args).funnel.judge == judge, (command, extra)
 
 
 @pytest.mark.parametrize("command", COMMANDS)

@@ -17,7 +17,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "kept. --split or --holdout measure accuracy, error among accepted and speedup on "
         "queries the test never saw. Exits 1 when no tau passes.",
     )
-    cal.add_argument("run", help="run folder of a --mode both eval")
+    cal.add_argument(
+        "run",
+        nargs="+",
+        help="run folder of a --mode both eval (--operating-points: one per judge variant)",
+    )
     cal.add_argument("--max-error", type=float, default=0.05)
     cal.add_argument("--confidence", type=float, default=0.9)
     cal.add_argument(
@@ -37,6 +41,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     cal.add_argument("--seed", type=int, default=0, help="seed of --split")
     cal.add_argument("--holdout", default=None, help="run folder (same setup) to measure on")
     cal.add_argument("--output", default=None, help="default RUN/calibration.json")
+    cal.add_argument(
+        "--operating-points",
+        action="store_true",
+        help="--judge auto's operating points in one call: one point per run's judge variant "
+        "(plus none, read from the first judged run's log), all tested as one family so the "
+        "guarantee holds whichever point answers; writes RUN/points.json for --points",
+    )
     _add_cascade_options(cal)
     cal.set_defaults(func=run)
 
@@ -70,9 +81,14 @@ def run(args: argparse.Namespace) -> int:
     from speceyes.bench.runlog import load_run
     from speceyes.bench.splits import parse_split
 
-    run = load_run(args.run, require_results=False)
+    if args.operating_points:
+        return _run_points(args)
+    if len(args.run) > 1:
+        raise ValueError("give one run folder (several are for --operating-points)")
+    run_dir = args.run[0]
+    run = load_run(run_dir, require_results=False)
     if args.cascade:
-        return _run_cascade(args, run)
+        return _run_cascade(args, run, run_dir)
     cal = calibrate(
         run,
         max_error=args.max_error,
@@ -83,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
         split=parse_split(args.split, args.seed) if args.split else None,
         holdout=load_run(args.holdout, require_results=False) if args.holdout else None,
     )
-    out = Path(args.output or Path(args.run) / "calibration.json")
+    out = Path(args.output or Path(run_dir) / "calibration.json")
     write_calibration(cal, out)
     print(format_calibration(cal))
     if not cal.passed:
@@ -93,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_cascade(args: argparse.Namespace, run) -> int:
+def _run_cascade(args: argparse.Namespace, run, run_dir: str) -> int:
     from pathlib import Path
 
     from speceyes.bench import cascade_calibration as cc
@@ -120,11 +136,51 @@ def _run_cascade(args: argparse.Namespace, run) -> int:
         split=parse_split(args.split, args.seed) if args.split else None,
         seed=args.seed,
     )
-    out = Path(args.output or Path(args.run) / "calibration.json")
+    out = Path(args.output or Path(run_dir) / "calibration.json")
     cc.write_cascade_calibration(cal, out)
     print(cc.format_cascade_calibration(cal))
     if not cal.base.passed:
         print(f"wrote {out} (a record only: no stage accepts anything)", file=sys.stderr)
         return 1
     print(f"wrote {out} (pass it to eval or serve with --calibration)")
+    return 0
+
+
+def _run_points(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from speceyes.bench import points_calibration as pcal
+    from speceyes.bench.runlog import load_run
+    from speceyes.bench.splits import parse_split
+
+    given = [
+        flag
+        for flag, value in (
+            ("--cascade", args.cascade or None),
+            ("--holdout", args.holdout),
+            ("--min-relative-accuracy", args.min_relative_accuracy),
+        )
+        if value is not None
+    ]
+    if given or any("," in str(v) for v in (args.top_k, args.agg) if v):
+        raise ValueError(
+            f"--operating-points takes one --top-k and one --agg and no {', '.join(given) or 'family'} "
+            "(use --split to hold out)"
+        )
+    pc = pcal.calibrate_points(
+        [load_run(r, require_results=False) for r in args.run],
+        max_error=args.max_error,
+        confidence=args.confidence,
+        top_k=int(args.top_k) if args.top_k else None,
+        agg=args.agg,
+        split=parse_split(args.split, args.seed) if args.split else None,
+    )
+    out = Path(args.output or Path(args.run[0]) / "points.json")
+    pcal.write_points_calibration(pc, out)
+    print(pcal.format_points_calibration(pc))
+    if not pc.points:
+        print(f"wrote {out} (a record only: no point passed; eval and serve refuse it)",
+              file=sys.stderr)  # fmt: skip
+        return 1
+    print(f"wrote {out} (pass it to eval, ask or serve with --points; --judge auto follows)")
     return 0

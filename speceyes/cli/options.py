@@ -206,7 +206,7 @@ def add_funnel_args(p: argparse.ArgumentParser, *, schedule: str | None = None) 
     )
     g.add_argument(
         "--judge",
-        default=f.judge,
+        default=None,
         choices=(*JUDGES, AUTO),
         help="phase I: large (published: the large model's judge prompt), prefix (the large "
         "model, the judge question after the agent's own first-turn prompt, so a server with "
@@ -214,12 +214,14 @@ def add_funnel_args(p: argparse.ArgumentParser, *, schedule: str | None = None) 
         "small-prefix (the small model, after its own answer prompt), none (no judge: the "
         "gate alone decides), auto (per batch, the operating point of --points with the "
         f"highest expected throughput at the load then); see docs/throughput.md (default: "
-        f"{f.judge})",
+        f"{f.judge}; {AUTO} when --points is given)",
     )
     g.add_argument(
         "--points", default=None, metavar="JSON",
         help="--judge auto: its operating points, each a judge variant with its own tau and "
-        "rates (a list of {judge, tau, beta, alpha, alpha_tool, judge_max_pixels})",
+        "rates, as `speceyes calibrate --operating-points` writes them (its gate and judge "
+        "mode are applied, other models refused), or a list of {judge, tau, beta, alpha, "
+        "alpha_tool, judge_max_pixels}",
     )
     g.add_argument(
         "--judge-max-pixels",
