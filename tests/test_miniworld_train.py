@@ -335,3 +335,28 @@ def test_stage_b_stopped_by_max_steps_resumes_from_its_step(tmp_path):
     assert [r["step"] for r in log if r.get("event") == "resume"] == [2, 2]
     assert [r["step"] for r in log if r.get("event") == "end"] == [2, 2, 4]
     assert all(math.isfinite(r["lm"]) and math.isfinite(r["aux"]) for r in log if "lm" in r)
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_trained_tool_call_box_reads_back_to_the_target(tmp_path, family):
+    """The <tool_call> box a large model is trained to write is in its family's convention
+    (view pixels for Qwen2.5-VL, 0..1000 of the view for Qwen3-VL): read back the way the
+    DeepEyes loop reads a box, it lands on the target on the canvas."""
+    from speceyes import images
+
+    be = M.load_backend(M.build_base(tmp_path, "large", M.TINY, 0, family))
+    rows = D.make_questions("train", 0, 2, be, crops=True)
+    # rows whose crop is around the question's own target (the others zoom on a random object)
+    rows = [r for r in rows if r.get("view_box") and r["target_bbox"] is not None]
+    assert rows
+    for r in rows:
+        call = next(
+            e[1] for e in D.examples_for(r, "large", True, deepeyes=True) if "<tool_call>" in e[1]
+        )
+        box = json.loads(call.split("\n")[1])["arguments"]["bbox_2d"]
+        view = images.View(*D.CANVAS, r["view"].width, r["view"].height)
+        got = images.box_to_original(box, view, be.box_coords)
+        target = r["target_bbox"]
+        # rounding to whole view pixels (or thousandths) moves an edge by at most one unit
+        unit = max(view.scale_x, view.scale_y) if be.box_coords == "absolute" else 1024 / 1000
+        assert all(abs(a - b) <= unit for a, b in zip(got, target, strict=True)), (got, target)

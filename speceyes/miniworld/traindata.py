@@ -175,8 +175,11 @@ def make_questions(
                 zb = zoom_box(scene.image.size, box)
                 row["crop"] = crop_at_view(scene.image, zb, backend)
                 row["crop_objs"] = layout_in(scene.objects, zb, row["crop"].size)
-                sx = view.width / CANVAS[0]
-                sy = view.height / CANVAS[1]
+                # the tool call's box in the model's own convention: view pixels
+                # (Qwen2.5-VL) or 0..1000 of the view (Qwen3-VL), as zoom.py reads it back
+                relative = backend.box_coords == "relative1000"
+                sx = (1000 if relative else view.width) / CANVAS[0]
+                sy = (1000 if relative else view.height) / CANVAS[1]
                 row["view_box"] = [
                     round(box[0] * sx),
                     round(box[1] * sy),
