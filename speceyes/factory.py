@@ -381,29 +381,37 @@ def _with_model(spec: str | None, model: str | None) -> str | None:
 
 def _cascade_of(
     path: str | os.PathLike[str] | None,
-) -> tuple[dict[str, float], int, bool] | None:
-    """A cascade calibration file's per-stage thresholds and the cascade they were certified
-    for (speculation depth, middle tier); None for a file of the two-stage funnel (or a
-    calibration given as a record)."""
+) -> tuple[dict[str, float], int, bool, dict[str, dict[str, float]]] | None:
+    """A cascade calibration file's per-stage thresholds, the cascade they were certified
+    for (speculation depth, middle tier) and its per-category thresholds ({} without
+    ``--per-category``); None for a file of the two-stage funnel (or a calibration given as a
+    record)."""
     if path is None:
         return None
     raw = json.loads(Path(path).read_text(encoding="utf-8"))
     if not isinstance(raw, dict) or "stages" not in raw:
         return None
-    from speceyes.bench.cascade_calibration import read_stage_taus
+    from speceyes.bench.cascade_calibration import read_category_taus, read_stage_taus
 
     taus = read_stage_taus(raw)
     block = raw.get("cascade") or {}
     depths = [int(s.split("@", 1)[1]) for s in taus if s.startswith("small@")]
     depth = int(block.get("speculate_depth", max(depths, default=0)))
     middle = bool(block.get("middle_tier", "large_direct" in taus))
-    return taus, depth, middle
+    return taus, depth, middle, read_category_taus(raw)
 
 
-def _with_cascade(f: FunnelConfig, taus: dict[str, float], depth: int, middle: bool):
-    """The funnel with the cascade a calibration certified: its stages and their thresholds.
-    The guarantee covers that cascade only (another depth or tier changes which queries reach
-    each stage), so a funnel that asks for another one is refused."""
+def _with_cascade(
+    f: FunnelConfig,
+    taus: dict[str, float],
+    depth: int,
+    middle: bool,
+    category_taus: dict[str, dict[str, float]],
+):
+    """The funnel with the cascade a calibration certified: its stages and their thresholds,
+    per query category where it calibrated them (a category it does not name: the overall
+    thresholds). The guarantee covers that cascade only (another depth or tier changes which
+    queries reach each stage), so a funnel that asks for another one is refused."""
     # a flag left at its default asks for nothing; one that was set must match the file
     if (f.speculate_depth and f.speculate_depth != depth) or (f.middle_tier and not middle):
         raise ValueError(
@@ -412,7 +420,13 @@ def _with_cascade(f: FunnelConfig, taus: dict[str, float], depth: int, middle: b
             "do not hold for another one (calibrate that cascade's own both-mode run)"
         )
     stage_taus = f.stage_taus if f.stage_taus is not None else taus
-    return replace(f, speculate_depth=depth, middle_tier=middle, stage_taus=stage_taus)
+    return replace(
+        f,
+        speculate_depth=depth,
+        middle_tier=middle,
+        stage_taus=stage_taus,
+        category_taus=category_taus or None,
+    )
 
 
 def _first(value: Any, default: Any) -> Any:

@@ -83,6 +83,7 @@ from speceyes.types import (  # the funnel's vocabulary, re-exported for older i
     JUDGES,
     LARGE_DIRECT_STAGE,
     MODES,
+    NO_CATEGORY,
     SCHEDULES,
     SMALL_STAGE_PREFIX,
     Mode,
@@ -123,6 +124,9 @@ class FunnelConfig:
     middle_tier: bool = False  # the large model's direct answer, gated (large_direct)
     small_agent: str | None = None  # the small model's loop; None: cascade.default_small_agent
     stage_taus: dict[str, float] | None = None  # a threshold per stage; a stage not named: tau
+    # per query category, a threshold per stage (adaptive gating, calibrate --per-category);
+    # a category or stage not named: stage_taus
+    category_taus: dict[str, dict[str, float]] | None = None
     # ---- --judge auto: the operating points it picks among (operating_points.OperatingPoint
     # fields: judge, tau, beta, alpha, alpha_tool, judge_max_pixels), one per batch by load
     points: list[dict[str, Any]] | None = None
@@ -153,9 +157,19 @@ class FunnelConfig:
         deep = tuple(small_stage(d) for d in range(self.speculate_depth + 1))
         return deep + ((LARGE_DIRECT_STAGE,) if self.middle_tier else ())
 
-    def stage_tau(self, stage: str) -> float:
-        """The threshold ``stage``'s gate accepts above."""
+    def stage_tau(self, stage: str, category: str | None = None) -> float:
+        """The threshold ``stage``'s gate accepts above for a query of ``category``: the
+        category's own where a calibration set one, else the stage's, else tau."""
+        own = (self.category_taus or {}).get(NO_CATEGORY if category is None else category)
+        if own and stage in own:
+            return own[stage]
         return (self.stage_taus or {}).get(stage, self.tau)
+
+    def stage_may_accept(self, stage: str) -> bool:
+        """Whether ``stage`` can accept a query of some category (a threshold below 1.0): a
+        stage that cannot does not run outside ``both``."""
+        own = [t[stage] for t in (self.category_taus or {}).values() if stage in t]
+        return min([self.stage_tau(stage), *own]) < 1.0
 
     def validate(self) -> None:
         protocols.check_protocol(self.protocol)
@@ -204,11 +218,15 @@ class FunnelConfig:
                 f"the cascade (speculate_depth, middle_tier) gates answers: modes "
                 f"{', '.join(m for m, p in PLANS.items() if p.gate == 'accept')}, not {self.mode!r}"
             )
-        for stage, tau in (self.stage_taus or {}).items():
-            if not stage.startswith(SMALL_STAGE_PREFIX) and stage != LARGE_DIRECT_STAGE:
-                raise ValueError(f"stage_taus: unknown stage {stage!r}")
-            if not 0.0 <= tau <= 1.0:
-                raise ValueError(f"stage_taus: {stage} must be in [0, 1], got {tau}")
+        named = [("stage_taus", self.stage_taus or {})] + [
+            (f"category_taus[{c}]", t) for c, t in (self.category_taus or {}).items()
+        ]
+        for where, taus in named:
+            for stage, tau in taus.items():
+                if not stage.startswith(SMALL_STAGE_PREFIX) and stage != LARGE_DIRECT_STAGE:
+                    raise ValueError(f"{where}: unknown stage {stage!r}")
+                if not 0.0 <= tau <= 1.0:
+                    raise ValueError(f"{where}: {stage} must be in [0, 1], got {tau}")
 
     def to_dict(self) -> dict:
         """Its fields; the cascade's only where they differ from the defaults, so a two-stage
@@ -225,6 +243,7 @@ CASCADE_DEFAULTS: dict[str, Any] = {
     "middle_tier": False,
     "small_agent": None,
     "stage_taus": None,
+    "category_taus": None,
 }
 
 
@@ -331,6 +350,11 @@ class Batch:
     # the configuration its steps read: the funnel's, or its operating point's (--judge auto)
     cfg: FunnelConfig = field(default_factory=FunnelConfig)
     point: OperatingPoint | None = None
+
+    def tau(self, stage: str, i: int) -> float:
+        """Query ``i``'s threshold at ``stage`` (its category's, where one is calibrated)."""
+        query = self.live.get(i)
+        return self.cfg.stage_tau(stage, None if query is None else query.category)
 
     def still_open(self, everyone: bool) -> list[int]:
         """The live queries a cascade stage runs on: all (``both``) or those not yet accepted."""
@@ -629,8 +653,10 @@ class Funnel:
                     r.timings.pop("gate", None)
                     r.trace = [s for s in r.trace if s["type"] != "small"]
         results = batch.results
-        tau = cfg.stage_tau(small_stage(0))
-        accepted = [i for i in batch.tool_free if gate.accept(results[i].confidence, tau)]
+        stage = small_stage(0)
+        accepted = [
+            i for i in batch.tool_free if gate.accept(results[i].confidence, batch.tau(stage, i))
+        ]
         batch.accepted = set(accepted)
         blank = sum(
             1
@@ -650,20 +676,21 @@ class Funnel:
         # so outside ``both`` it does not run: the loop stops at the last depth that can pass.
         depth = max(
             (d for d in range(1, cfg.speculate_depth + 1)
-             if everyone or cfg.stage_tau(small_stage(d)) < 1.0),
+             if everyone or cfg.stage_may_accept(small_stage(d))),
             default=0,
         )
         if depth:
             self._deepen(batch, batch.still_open(everyone), depth)
-        if cfg.middle_tier and (everyone or cfg.stage_tau(LARGE_DIRECT_STAGE) < 1.0):
+        if cfg.middle_tier and (everyone or cfg.stage_may_accept(LARGE_DIRECT_STAGE)):
             self._middle(batch, batch.still_open(everyone))
 
     def _small_stage(self, batch: Batch) -> None:
         """Stage small@0's record: phases II and III as they ran (accepted: by phase III)."""
-        stage, tau = small_stage(0), batch.cfg.stage_tau(small_stage(0))
+        stage = small_stage(0)
         for i, r in enumerate(batch.results):
             if i not in batch.live or "small" not in r.timings:  # not asked, or discarded
                 continue
+            tau = batch.tau(stage, i)
             seconds = r.timings["small"] + r.timings.get("gate", 0.0)
             if i in batch.answers:
                 record = cascade.stage_record(
@@ -678,7 +705,7 @@ class Funnel:
         """Stages small@1..small@n: the small model's own loop, one tool call at a time; after
         each call it answers on what it last saw, gated at that stage's tau. A loop stops at
         its first accepted answer (``both``: at the end of its loop)."""
-        cfg, spec = batch.cfg, self.speculation
+        spec = self.speculation
         everyone = self.plan.agent == "all"
         loops: dict[int, Any] = {}
         for i in idx:
@@ -703,7 +730,7 @@ class Funnel:
             for i, e in zip(active, errors, strict=True):
                 if isinstance(e, BackendError):  # no answer at this depth: the loop ends here
                     record = cascade.stage_record(
-                        stage, None, None, False, cfg.stage_tau(stage), step, error=str(e)
+                        stage, None, None, False, batch.tau(stage, i), step, error=str(e)
                     )
                     batch.results[i].stages.append(record)
                     _add_time(batch.results[i], "small_deep", step)
@@ -751,7 +778,6 @@ class Funnel:
         cfg = batch.cfg
         if not idx:
             return set()
-        tau = cfg.stage_tau(stage)
         t0 = time.perf_counter()
         try:
             got = per_item(
@@ -775,6 +801,7 @@ class Funnel:
         calls = tool_calls or {}
         for i, a in zip(idx, got, strict=True):
             r = batch.results[i]
+            tau = batch.tau(stage, i)
             if isinstance(a, BackendError):
                 record = cascade.stage_record(
                     stage, None, None, False, tau, seconds, calls.get(i, 0), error=str(a)

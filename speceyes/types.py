@@ -23,6 +23,7 @@ Route = Literal[
 ROUTES: tuple[Route, ...] = get_args(Route)
 # The funnel's timed phases, the keys of Result.timings (a server adds "queue" and "total").
 PHASES: tuple[str, ...] = ("judge", "small", "gate", "agent")
+NO_CATEGORY = "(none)"  # the category of a query that names none, in logs and calibrations
 # The cascade's timed steps (keys of Result.timings only where they ran; docs/cascade.md).
 CASCADE_PHASES: tuple[str, ...] = ("small_deep", "large_direct")
 

@@ -348,3 +348,34 @@ def test_cli_flags_reach_the_funnel_config():
     assert (f.speculate_depth, f.middle_tier, f.small_agent) == (2, True, "deepeyes")
     plain = Settings.from_args(p.parse_args([])).funnel
     assert plain == FunnelConfig(batch_size=None, schedule=None)
+
+
+def test_category_thresholds_steer_each_query_by_its_type(models, mw_queries):
+    """Adaptive gating (calibrate --per-category): each query's stages take its category's
+    thresholds; a category the calibration does not name takes the overall ones."""
+    a, b = (q.category for q in mw_queries)
+    assert a != b
+    overall = dict.fromkeys(ALL_STAGES, NEVER)
+    per = {a: {"small@0": NEVER, "small@1": ALWAYS}, b: {"large_direct": ALWAYS}}
+    f, res = cascade_run(models, mw_queries, speculate_depth=1, middle_tier=True,
+                         stage_taus=overall, category_taus=per)  # fmt: skip
+    assert [r.route for r in res] == ["small_deep", "large_direct"]
+    assert res[0].stages[-1]["tau"] == ALWAYS and res[1].stages[-1]["tau"] == ALWAYS
+    assert res[1].stages[-2]["stage"] == "small@1" and res[1].stages[-2]["tau"] == NEVER
+    # no category named: both fall through to the agent, as with the overall thresholds alone
+    _, plain = cascade_run(models, mw_queries, speculate_depth=1, middle_tier=True,
+                           stage_taus=overall, category_taus={"other": {"small@1": ALWAYS}})  # fmt: skip
+    assert all(r.route.startswith("agent_after") for r in plain)
+
+
+def test_category_thresholds_config():
+    cfg = FunnelConfig(tau=0.8, speculate_depth=1, middle_tier=True,
+                       stage_taus={"small@1": OFF, "large_direct": OFF},
+                       category_taus={"pope": {"small@1": 0.5}, "(none)": {"small@0": 0.7}})  # fmt: skip
+    assert cfg.stage_tau("small@1", "pope") == 0.5 and cfg.stage_tau("small@1", "x") == OFF
+    assert cfg.stage_tau("small@0", "pope") == 0.8 and cfg.stage_tau("small@0") == 0.7
+    # a stage that only some category can pass still runs; one no category can pass does not
+    assert cfg.stage_may_accept("small@1") and not cfg.stage_may_accept("large_direct")
+    with pytest.raises(ValueError, match=r"category_taus\[pope\]: unknown stage"):
+        FunnelConfig(category_taus={"pope": {"medium": 0.5}}).validate()
+    assert "category_taus" not in FunnelConfig().to_dict()

@@ -178,3 +178,17 @@ def test_cli_calibrate_then_regate(cascade_dir, tmp_path, capsys):
     assert applied.stage_tau("small@0") == data["stages"]["small@0"]
     with pytest.raises(ValueError, match="certifies the cascade with --speculate-depth 2"):
         base.with_funnel(speculate_depth=1).with_calibration(out)
+    assert applied.category_taus is None  # no --per-category: every query the overall ones
+    # with --per-category, each category's thresholds reach the funnel with the overall ones
+    assert main(["calibrate", str(cascade_dir), "--cascade", "--per-category",
+                 "--max-error", "0.15", "--output", str(out)]) == 0  # fmt: skip
+    capsys.readouterr()
+    per = json.loads(out.read_text())
+    assert per["per_category"]
+    per["models"], per["agent"] = {"small": "s", "large": "l"}, "deepeyes"
+    out.write_text(json.dumps(per))
+    applied = base.with_calibration(out).funnel
+    assert applied.category_taus == per["per_category"]
+    assert applied.stage_taus == per["stages"]
+    cat, taus = next(iter(per["per_category"].items()))
+    assert all(applied.stage_tau(s, cat) == t for s, t in taus.items())

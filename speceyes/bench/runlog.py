@@ -27,9 +27,8 @@ import numpy as np
 
 from speceyes import gate
 from speceyes.rundir import RunDir, RunDirError, ScanReport, TruncatedLogWarning, scan_lines
-from speceyes.types import PHASES
+from speceyes.types import NO_CATEGORY, PHASES
 
-NO_CATEGORY = "(none)"
 _TOPK_KEY = b'"small_topk"'
 _TO_CSV = bytes.maketrans(b"[]", b",\n")
 
