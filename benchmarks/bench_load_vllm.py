@@ -8,7 +8,10 @@ size; the clients see the checkpoints' own 224x224 view, as transformers does). 
 clients at concurrency C send the same mini-world test questions to every mode:
 
 - ``agent-only``: every query through the large model's search loop;
-- ``speceyes/<judge>``: the funnel with that judge variant (``large`` is the published one).
+- ``speceyes/<judge>``: the funnel with that judge variant (``large`` is the published one);
+- with ``--points FILE`` (``speceyes calibrate --operating-points``): ``speceyes/auto``, the
+  load-aware choice among the file's points, and every static variant the file calibrated runs
+  at its own calibrated tau and the file's gate, as auto's points do.
 
 Modes are interleaved in time: for each C, ``--rounds`` rounds, and in each round every mode
 serves one batch of requests in turn (the order rotates by round), so load from other processes
@@ -19,7 +22,8 @@ OUT/table.md. The vLLM servers are always stopped (their process groups), also o
 SIGTERM or SIGHUP.
 
     python benchmarks/bench_load_vllm.py [--concurrency 1,4,16] [--with-64] [--rounds 3]
-        [--requests 0] [--scenes 2] [--judges large,prefix,none] [--out runs/bench-load-vllm]
+        [--requests 0] [--scenes 2] [--judges large,prefix,none] [--points FILE]
+        [--out runs/bench-load-vllm]
 
 The vLLM environment is ``.venv-vllm`` (``bash tests/vllm_env/setup.sh``) or ``--vllm-python``.
 """
@@ -35,6 +39,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,6 +60,7 @@ from speceyes.factory import MANIFEST, Settings, build_funnel  # noqa: E402
 from speceyes.images import load_image, to_data_uri  # noqa: E402
 from speceyes.miniworld.demo import MODELS_DIR  # noqa: E402
 from speceyes.miniworld.splits import level_defaults, make_split  # noqa: E402
+from speceyes.operating_points import AUTO  # noqa: E402
 from speceyes.types import Query  # noqa: E402
 
 AGENT_ONLY = "agent-only"
@@ -74,6 +80,7 @@ class Sample:
     latency_s: float
     correct: bool
     route: str
+    point: str | None = None  # speceyes/auto: the operating point that answered
 
 
 @dataclass
@@ -100,11 +107,14 @@ class Cell:
             "p95_s": float(np.percentile(lat, 95)) if n else None,
             "accuracy": sum(s.correct for s in self.samples) / n if n else None,
             "small_share": sum(s.route == SMALL_ROUTE for s in self.samples) / n if n else None,
+            "points": dict(Counter(s.point for s in self.samples if s.point is not None)),
         }
 
 
-def modes_of(judges: list[str]) -> list[Mode]:
-    return [Mode(AGENT_ONLY, "agent")] + [Mode(f"speceyes/{j}", "speceyes", j) for j in judges]
+def modes_of(judges: list[str], auto: bool = False) -> list[Mode]:
+    static = [Mode(f"speceyes/{j}", "speceyes", j) for j in judges]
+    extra = [Mode(f"speceyes/{AUTO}", "speceyes", AUTO)] if auto else []
+    return [Mode(AGENT_ONLY, "agent"), *static, *extra]
 
 
 def question_set(out: Path, scenes: int, seed: int) -> list[Query]:
@@ -129,12 +139,22 @@ def model_family(folder: Path) -> str:
     return json.loads((folder / "config.json").read_text())["model_type"]
 
 
-def settings_for(mode: Mode, small_url: str, large_url: str) -> Settings:
+def settings_for(
+    mode: Mode, small_url: str, large_url: str, points: Path | None = None
+) -> Settings:
     """The demo's settings (manifest) with the models behind the servers, seen as the
-    checkpoints see images, on the pipelined schedule."""
+    checkpoints see images, on the pipelined schedule. With ``points``, a SpecEyes mode takes
+    the file's gate, and a static judge its point's calibrated tau (auto: all the points)."""
     from tests.vllm_support import MAX_LOGPROBS
 
     s = Settings.from_manifest(MODELS_DIR / MANIFEST)
+    if points is not None and mode.mode == "speceyes":
+        # checked while the settings name the bundled folders the servers serve
+        s = s.with_points_file(points)
+        if mode.judge != AUTO:
+            own = [p for p in s.funnel.operating_points() if p.name == mode.judge]
+            tau = own[0].tau if own and own[0].tau is not None else s.funnel.tau
+            s = s.with_funnel(points=None, tau=tau)
     lo, hi = checkpoint_pixel_limits(str(MODELS_DIR / "large"))
     s.small, s.large = small_url, large_url
     s.small_family = model_family(MODELS_DIR / "small")
@@ -173,8 +193,9 @@ async def closed_loop(
                 print(f"  request error {r.status}: {str(data)[:300]}", flush=True)
                 continue
             answer = data["choices"][0]["message"]["content"]
-            route = data.get("speceyes", {}).get("route", "")
-            samples.append(Sample(dt, scoring.is_correct(queries[k], answer), route))
+            info = data.get("speceyes", {})
+            correct = scoring.is_correct(queries[k], answer)
+            samples.append(Sample(dt, correct, info.get("route", ""), info.get("operating_point")))
 
     t0 = time.perf_counter()
     async with aiohttp.ClientSession(timeout=timeout) as session:
@@ -221,8 +242,8 @@ def table(rows: list[dict[str, Any]]) -> str:
     base = {r["concurrency"]: r for r in rows if r["mode"] == AGENT_ONLY}
     out = [
         "| C | mode | requests | queries/s | x agent-only | p50 s | p95 s | p50 / agent-only "
-        "| accuracy | small model answers |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| accuracy | small model answers | points (auto) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         b = base.get(r["concurrency"], {})
@@ -232,9 +253,32 @@ def table(rows: list[dict[str, Any]]) -> str:
             + f" | {f(r['qps'], '.2f')} | {f(ratio(r['qps'], b.get('qps')), '.2f')}"
             f" | {f(r['p50_s'], '.2f')} | {f(r['p95_s'], '.2f')}"
             f" | {f(ratio(r['p50_s'], b.get('p50_s')), '.2f')}"
-            f" | {f(r['accuracy'], '.1%')} | {f(r['small_share'], '.0%')} |"
+            f" | {f(r['accuracy'], '.1%')} | {f(r['small_share'], '.0%')}"
+            f" | {_points_text(r.get('points') or {})} |"
         )
-    return "\n".join(out)
+    return "\n".join(out + auto_lines(rows))
+
+
+def _points_text(points: dict[str, int]) -> str:
+    total = sum(points.values())
+    return ", ".join(f"{k} {v / total:.0%}" for k, v in sorted(points.items())) or "-"
+
+
+def auto_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """Per C: auto's throughput against the best of agent-only and every static variant."""
+    out = []
+    for c in sorted({r["concurrency"] for r in rows}):
+        at = {r["mode"]: r for r in rows if r["concurrency"] == c and r["qps"]}
+        auto = at.get(f"speceyes/{AUTO}")
+        others = [r for m, r in at.items() if m != f"speceyes/{AUTO}"]
+        if auto is None or not others:
+            continue
+        best = max(others, key=lambda r: r["qps"])
+        out.append(
+            f"C={c}: auto {auto['qps']:.2f} queries/s = {auto['qps'] / best['qps']:.3f} x the "
+            f"best other mode ({best['mode']}, {best['qps']:.2f})"
+        )
+    return [""] + out if out else []
 
 
 def main() -> int:
@@ -248,6 +292,13 @@ def main() -> int:
     ap.add_argument("--scenes", type=int, default=2, help="mini-world test scenes (8 questions)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--judges", default="large,prefix,none", help="SpecEyes judge variants")
+    ap.add_argument(
+        "--points",
+        type=Path,
+        default=None,
+        help="operating points (calibrate --operating-points): adds speceyes/auto, and the "
+        "static variants run at their points' taus",
+    )
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-load-vllm")
     ap.add_argument("--start-timeout", type=float, default=600.0, help="seconds per server")
     ap.add_argument(
@@ -263,7 +314,7 @@ def main() -> int:
     judges = [j.strip() for j in args.judges.split(",") if j.strip()]
     if any(j not in JUDGES for j in judges):
         ap.error(f"--judges takes {', '.join(JUDGES)}")
-    modes = modes_of(judges)
+    modes = modes_of(judges, auto=args.points is not None)
 
     from speceyes.serve import create_app
     from tests import vllm_support
@@ -297,7 +348,7 @@ def main() -> int:
             small_url, large_url = servers[0].url, servers[1].url
             urls = {}
             for m in modes:
-                funnel = build_funnel(settings_for(m, small_url, large_url))
+                funnel = build_funnel(settings_for(m, small_url, large_url, args.points))
                 srv = ServerThread(create_app(funnel, max_queue=1024, request_timeout=None))
                 apps.append(srv.start())
                 urls[m.label] = srv.url

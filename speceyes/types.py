@@ -138,6 +138,10 @@ class Result:
         """The answer of the first stage whose gate accepted, None if none did."""
         return next((s["answer"] for s in self.stages if s["accepted"]), None)
 
+    def operating_point(self) -> dict[str, Any] | None:
+        """``--judge auto``: the point that answered (its name, judge and tau), else None."""
+        return next((t for t in self.trace if t.get("type") == "operating_point"), None)
+
     def to_dict(self) -> dict[str, Any]:
         out = {
             "id": self.id,

@@ -34,7 +34,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def _print_result(r, tau: float) -> None:
     print(f"answer:      {r.answer}")
     print(f"route:       {r.route} - {ROUTE_TEXT.get(r.route, r.route)}")
-    point = next((t for t in r.trace if t["type"] == "operating_point"), None)
+    point = r.operating_point()
     if point is not None:  # --judge auto: the point's judge and its own tau answered it
         tau = point["tau"]
         print(f"point:       {point['point']} (judge {point['judge']}, tau {tau})")

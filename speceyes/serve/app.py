@@ -272,6 +272,7 @@ class Server(ServerState):
             "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
             "speceyes": {
                 "route": r.route,
+                "operating_point": (r.operating_point() or {}).get("point"),
                 "confidence": r.confidence,
                 "p_tool": r.p_tool,
                 "tool_calls": r.tool_calls,
