@@ -53,7 +53,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import numpy as np  # noqa: E402
 
-from speceyes.backends.vllm import checkpoint_pixel_limits  # noqa: E402
+from speceyes.backends.base import checkpoint_geometry  # noqa: E402
 from speceyes.bench import scoring  # noqa: E402
 from speceyes.bench.datasets import load_jsonl  # noqa: E402
 from speceyes.factory import MANIFEST, Settings, build_funnel  # noqa: E402
@@ -155,12 +155,15 @@ def settings_for(
             own = [p for p in s.funnel.operating_points() if p.name == mode.judge]
             tau = own[0].tau if own and own[0].tau is not None else s.funnel.tau
             s = s.with_funnel(points=None, tau=tau)
-    lo, hi = checkpoint_pixel_limits(str(MODELS_DIR / "large"))
     s.small, s.large = small_url, large_url
     s.small_family = model_family(MODELS_DIR / "small")
     s.large_family = model_family(MODELS_DIR / "large")
     s.backend.max_logprobs = MAX_LOGPROBS
-    s.backend.min_pixels, s.backend.max_pixels = lo, hi
+    # each server's client sends images at its checkpoint's own view, as transformers shows them
+    for role, family in (("small", s.small_family), ("large", s.large_family)):
+        g = checkpoint_geometry(family, MODELS_DIR / role)
+        setattr(s.backend, f"{role}_min_pixels", g.min_pixels)
+        setattr(s.backend, f"{role}_max_pixels", g.max_pixels)
     changes: dict[str, Any] = {"mode": mode.mode, "schedule": "pipelined"}
     if mode.judge is not None:
         changes["judge"] = mode.judge

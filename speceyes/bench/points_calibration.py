@@ -206,6 +206,11 @@ def write_points_calibration(pc: PointsCalibration, path: str | Path) -> Path:
     )
 
 
+def _name(cal: Calibration) -> str:
+    """A calibrated point's name, as :attr:`OperatingPoint.name` writes it."""
+    return OperatingPoint(cal.judge, judge_max_pixels=cal.judge_max_pixels).name
+
+
 def format_points_calibration(pc: PointsCalibration) -> str:
     g = pc.guarantee()
     lines = [
@@ -221,7 +226,7 @@ def format_points_calibration(pc: PointsCalibration) -> str:
         err = h.get("accepted_error")
         held = "-" if err is None else f"{err:.4f} of {h.get('n_accepted')}"
         lines.append(
-            f"| {judge_words(c.judge, c.judge_max_pixels)} | {c.tau:.6f} | "
+            f"| {_name(c)} | {c.tau:.6f} | "
             f"{'yes' if c.passed else 'no'} | {c.n_accepted}/{c.n} | "
             f"{'-' if c.bound is None or not math.isfinite(c.bound) else f'{c.bound:.4f}'} | "
             f"{held} |"
@@ -234,7 +239,7 @@ def format_points_calibration(pc: PointsCalibration) -> str:
             f"| {p.name} | {p.beta:.3f} | {p.alpha:.3f} | {p.alpha_tool:.3f} | {p.skipped:.3f} |"
         )
     if pc.dropped:
-        names = ", ".join(judge_words(c.judge, c.judge_max_pixels) for c in pc.dropped)
+        names = ", ".join(_name(c) for c in pc.dropped)
         lines.append(f"left out (no tau passed at delta/{pc.family}): {names}")
     lines.append(
         "rates (beta, alpha, alpha_tool) are measured on the whole run: estimates for the "

@@ -1,0 +1,61 @@
+"""The scripts under benchmarks/ import against the current package (a renamed function must not
+leave a benchmark broken until someone runs it), and the load benchmark builds each mode's
+settings from a points file as it documents."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _load(path: Path):
+    spec = importlib.util.spec_from_file_location(f"bench_{path.stem}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)  # the scripts run main() only under __main__
+    return module
+
+
+@pytest.mark.parametrize("path", sorted(BENCHMARKS.glob("*.py")), ids=lambda p: p.name)
+def test_benchmark_script_imports(path):
+    module = _load(path)
+    assert callable(getattr(module, "main", None)), f"{path.name} has no main()"
+
+
+def test_load_benchmark_modes_from_a_points_file(tmp_path):
+    from speceyes.miniworld.demo import MODELS_DIR
+
+    bench = _load(BENCHMARKS / "bench_load_vllm.py")
+    points = tmp_path / "points.json"
+    points.write_text(json.dumps({
+        "points": [{"judge": "large", "tau": 0.5, "beta": 0.5, "alpha": 1.0},
+                   {"judge": "none", "tau": 0.93, "beta": 0.5, "alpha": 0.96}],
+        "setup": {"models": {"small": str(MODELS_DIR / "small"), "large": str(MODELS_DIR / "large")},
+                  "agent": "search"},
+        "gate": {"top_k": 32, "agg": "min", "scale": 0.6},
+    }))  # fmt: skip
+    modes = {m.label: m for m in bench.modes_of(["large", "prefix"], auto=True)}
+    assert list(modes) == ["agent-only", "speceyes/large", "speceyes/prefix", "speceyes/auto"]
+    urls = ("http://127.0.0.1:1", "http://127.0.0.1:2")
+    large = bench.settings_for(modes["speceyes/large"], *urls, points).funnel
+    assert (large.judge, large.tau, large.top_k, large.points) == ("large", 0.5, 32, None)
+    prefix = bench.settings_for(modes["speceyes/prefix"], *urls, points).funnel
+    assert prefix.judge == "prefix" and prefix.tau == 0.9  # no point of its own: the manifest's
+    auto = bench.settings_for(modes["speceyes/auto"], *urls, points)
+    assert auto.funnel.judge == "auto" and len(auto.funnel.operating_points()) == 2
+    assert (auto.small, auto.large) == urls
+    # each client sends images at its checkpoint's own view (224x224 for the bundled models)
+    assert auto.backend.large_max_pixels == auto.backend.small_max_pixels == 224 * 224
+    rows = [
+        {"mode": "agent-only", "concurrency": 4, "qps": 1.0},
+        {"mode": "speceyes/none", "concurrency": 4, "qps": 2.0},
+        {"mode": "speceyes/auto", "concurrency": 4, "qps": 1.9},
+    ]
+    assert bench.auto_lines(rows)[-1].startswith("C=4: auto 1.90 queries/s = 0.950 x the best")
