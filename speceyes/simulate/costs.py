@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from speceyes.backends.base import FAMILY_PIXELS, MODEL_FAMILIES
 from speceyes.bench.benchmarks import BenchImages, image_profiles
 from speceyes.images import smart_resize
 from speceyes.rates import analytic_latency
@@ -22,10 +23,12 @@ LARGE, SMALL = 0, 1  # model classes on an engine
 # --- image tokens per benchmark ----------------------------------------------------------------
 
 # Qwen2.5-VL (the DeepEyes agent and the judge): 28 px per visual token (14 px patches, 2x2
-# merge), DeepEyes' pixel limits. Qwen3-VL (the small model): 32 px per token, its processor's
-# limits (16384 tokens).
-LARGE_FACTOR, LARGE_MIN_PIXELS, LARGE_MAX_PIXELS = 28, 4 * 28 * 28, 16384 * 28 * 28
-SMALL_FACTOR, SMALL_MIN_PIXELS, SMALL_MAX_PIXELS = 32, 4 * 32 * 32, 16384 * 32 * 32
+# merge), DeepEyes' pixel limits. Qwen3-VL (the small model): 32 px per token, its released
+# processor's limits. The backends' family table is the one source of both.
+LARGE_FACTOR = MODEL_FAMILIES["qwen2_5_vl"][1]
+LARGE_MIN_PIXELS, LARGE_MAX_PIXELS = FAMILY_PIXELS["qwen2_5_vl"]
+SMALL_FACTOR = MODEL_FAMILIES["qwen3_vl"][1]
+SMALL_MIN_PIXELS, SMALL_MAX_PIXELS = FAMILY_PIXELS["qwen3_vl"]
 # A DeepEyes zoom box is this share of the image's width and height (an assumption: about 600
 # tokens of crop on a V* image); the crop is cut from the ORIGINAL image and smart_resized.
 CROP_SIDE_FRACTION = 0.36
