@@ -156,3 +156,13 @@ def test_the_guarantee_holds_whichever_point_answers():
 
     assert tail(bonf) > 1e-3, bonf / reps
     assert tail(naive) < 1e-3, naive / reps
+
+
+def test_runs_of_another_setup_are_refused(runs, tmp_path):
+    other = write_synthetic_run(tmp_path / "other", 300, seed=9, k_logged=16)
+    _with_judge(other, "prefix")
+    res = json.loads((other / "results.json").read_text())
+    res["config"]["models"]["large"] = "models/other-large"
+    (other / "results.json").write_text(json.dumps(res))
+    with pytest.raises(ValueError, match="differ in large: operating points are alternatives"):
+        pcal.calibrate_points([load_run(runs[0]), load_run(other)], max_error=0.15)

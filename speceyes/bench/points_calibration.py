@@ -106,13 +106,12 @@ def calibrate_points(
     g = rg.resolve_gate(first, top_k, agg, None)
     setups = [run_setup(r.config) for r in runs]
     for r, s in zip(runs[1:], setups[1:], strict=True):
-        differ = [
-            k
-            for k in ("small", "large")
-            if (s.models or {}).get(k) != (setups[0].models or {}).get(k)
-        ]
-        if s.agent != setups[0].agent:
-            differ.append("agent")
+        # the same models (spec or folder) and agent; the judge is what the runs vary
+        differ = setups[0].differences(
+            dataclasses.replace(
+                s, judge=setups[0].judge, judge_max_pixels=setups[0].judge_max_pixels
+            )
+        )
         if (r.config.get("judge_mode"), r.config.get("judge_threshold")) != (
             first.config.get("judge_mode"),
             first.config.get("judge_threshold"),
