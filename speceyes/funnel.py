@@ -76,7 +76,7 @@ from speceyes.agents.base import EMPTY, END, Agent, LoopAgent, drive_loops
 from speceyes.backends.base import Backend, BackendError, per_item
 from speceyes.images import MIN_PIXELS, load_image, resize_for_model
 from speceyes.judging import JudgeMode
-from speceyes.operating_points import AUTO, OperatingPoint, PointChooser
+from speceyes.operating_points import AGENT_POINT, AUTO, OperatingPoint, PointChooser
 from speceyes.rates import beta_alpha
 from speceyes.types import (  # the funnel's vocabulary, re-exported for older imports
     AGENT_ONLY_MODES,
@@ -143,6 +143,9 @@ class FunnelConfig:
     def at_point(self, point: OperatingPoint) -> FunnelConfig:
         """This configuration with ``point``'s judge, view and threshold (a batch's, under
         ``--judge auto``)."""
+        if point.judge == AGENT_POINT:  # phases I-III skipped: the agent loop for every query
+            return replace(self, mode="agent", judge=JUDGES[0], judge_max_pixels=None,
+                           points=None, speculate_depth=0, middle_tier=False)
         tau = self.tau if point.tau is None else point.tau
         return replace(self, judge=point.judge, judge_max_pixels=point.judge_max_pixels,
                        tau=tau, points=None)
@@ -450,8 +453,9 @@ class Funnel:
     def _front(self, queries: Sequence[Query]) -> Batch:
         """Phases I-III of one batch as the mode's plan says; every result that needs no agent
         loop is final when this returns, and ``to_agent`` names the others."""
-        plan = self.plan
         batch = self._open(queries)
+        # the batch's own plan: under --judge auto, the agent-only point skips I-III
+        plan = PLANS[batch.cfg.mode]
         if plan.judge:
             self._judge_and_speculate(batch)
         elif plan.speculate:
@@ -861,7 +865,9 @@ class Funnel:
         n = max(1, len(batch.results))
         judge = sum(r.timings.get("judge", 0.0) for r in batch.results) / n
         small = sum(r.timings.get("small", 0.0) for r in batch.results) / n
-        self._chooser.observe_front(batch.point, judge, small)  # type: ignore[union-attr]
+        answered = len(batch.live) - len(batch.to_agent)  # by the small model or a stage
+        skipped = answered / len(batch.live) if batch.live else None
+        self._chooser.observe_front(batch.point, judge, small, skipped)  # type: ignore[union-attr]
         for r in batch.results:
             r.trace.append({"type": "operating_point", "point": batch.point.name,
                             "judge": batch.point.judge, "tau": batch.cfg.tau})
@@ -874,7 +880,7 @@ class Funnel:
         """Query ``i``'s result made final: its route, and the answer that route names."""
         r = batch.results[i]
         failed, accepted = i not in batch.live, i in batch.accepted
-        r.route = route_of(self.config.mode, r, failed=failed, accepted=accepted)
+        r.route = route_of(batch.cfg.mode, r, failed=failed, accepted=accepted)
         r.answer = _answer_of(r)
         if r.stages:
             self._count_stages(r)

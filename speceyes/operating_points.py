@@ -30,6 +30,11 @@ from typing import Any
 from speceyes.types import JUDGES
 
 AUTO = "auto"  # the judge setting that picks among operating points by load
+# The point that skips phases I-III: every query goes straight to the agent loop. Where the
+# front costs more than the loops it saves (a light load on engines that share a CPU, say),
+# agent-only is the fastest choice, and auto should be able to make it.
+AGENT_POINT = "agent"
+POINT_KINDS: tuple[str, ...] = (*JUDGES, AGENT_POINT)
 
 
 @dataclass(frozen=True)
@@ -42,8 +47,10 @@ class OperatingPoint:
     judge_max_pixels: int | None = None  # a judge view budget ("large" and "small")
 
     def __post_init__(self) -> None:
-        if self.judge not in JUDGES:
-            raise ValueError(f"unknown judge {self.judge!r}; choose from {', '.join(JUDGES)}")
+        if self.judge not in POINT_KINDS:
+            raise ValueError(
+                f"unknown judge {self.judge!r}; choose from {', '.join(POINT_KINDS)}"
+            )
         for name in ("beta", "alpha", "alpha_tool"):
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
@@ -54,6 +61,8 @@ class OperatingPoint:
     @property
     def skipped(self) -> float:
         """Expected share of queries answered without the agent loop."""
+        if self.judge == AGENT_POINT:
+            return 0.0
         if self.judge == "none":
             return self.beta * self.alpha + (1.0 - self.beta) * self.alpha_tool
         return self.beta * self.alpha
@@ -75,6 +84,7 @@ class PointCosts:
     agent_latency: float  # one agent loop alone (batch 1)
     agent_demand: float  # large-model seconds of one agent loop, under load
     agent_saved: float = 0.0  # agent seconds a prefix-shared judge saves (its cached prefill)
+    skipped: float | None = None  # share answered without the agent, as measured; None: the point's
 
 
 def _estimate(
@@ -83,7 +93,7 @@ def _estimate(
     """(expected throughput, seconds of device work per query, R0) of one point."""
     if in_flight < 1:
         raise ValueError("in_flight must be >= 1")
-    to_agent = 1.0 - point.skipped
+    to_agent = 1.0 - (point.skipped if costs.skipped is None else costs.skipped)
     r0 = costs.front_latency + to_agent * (costs.agent_latency - costs.agent_saved)
     d_large = costs.large_front + to_agent * (costs.agent_demand - costs.agent_saved)
     demands = [d_large + costs.small_front] if shared_device else [d_large, costs.small_front]
@@ -230,8 +240,14 @@ class _Mean:
 class PointChooser:
     """``--judge auto`` in the funnel: the operating point for the next batch, from the costs
     the funnel measured so far. Each point runs one batch first, so its costs are measured, not
-    assumed; then :func:`choose` decides with the queries in flight. Thread-safe (the pipelined
-    schedule observes agent loops from another thread)."""
+    assumed; then :func:`choose` decides with the queries in flight. The share each point
+    answers without the agent is measured too (starting from its calibrated rate): a threshold
+    calibrated on other queries may accept more or less of these. A point not run for
+    ``explore_every`` batches runs one batch again, so an estimate made under another load, or
+    on a few queries, is renewed. Thread-safe (the pipelined schedule observes agent loops from
+    another thread)."""
+
+    EXPLORE_EVERY = 24  # batches after which a point not run since runs one batch again
 
     def __init__(self, points: Sequence[OperatingPoint], shared_device: bool) -> None:
         if not points:
@@ -240,22 +256,38 @@ class PointChooser:
         self.shared_device = shared_device
         self._judge = {p.name: _Mean() for p in self.points}  # seconds per query, phase I
         self._small = {p.name: _Mean() for p in self.points}  # seconds per query, phase II
+        self._skip = {p.name: _Mean() for p in self.points}  # share answered without the agent
+        for p in self.points:
+            self._skip[p.name].add(p.skipped)  # the calibrated rate, until measured
         self._agent = _Mean()  # seconds of one agent loop, as it ran
         self._share = _Mean()  # that loop's share of the engine: 1 / loops running beside it
+        self._batches = 0  # batches chosen so far
+        self._last = {p.name: -1 for p in self.points}  # the batch each point last ran
         self._lock = threading.Lock()
 
     def choose(self, in_flight: int) -> OperatingPoint:
         with self._lock:
-            for p in self.points:
-                if self._judge[p.name].value is None:
-                    return p
-            return choose(self.points, self._costs, max(1, in_flight), self.shared_device)
+            self._batches += 1
+            stale = [p for p in self.points if self._judge[p.name].value is None] or [
+                p for p in self.points if self._batches - self._last[p.name] > self.EXPLORE_EVERY
+            ]
+            if stale:
+                picked = min(stale, key=lambda p: self._last[p.name])
+            else:
+                picked = choose(self.points, self._costs, max(1, in_flight), self.shared_device)
+            self._last[picked.name] = self._batches
+            return picked
 
-    def observe_front(self, point: OperatingPoint, judge_s: float, small_s: float) -> None:
-        """Phase I and II seconds per query of one batch that ran at ``point``."""
+    def observe_front(
+        self, point: OperatingPoint, judge_s: float, small_s: float, skipped: float | None = None
+    ) -> None:
+        """Phase I and II seconds per query of one batch that ran at ``point``, and the share
+        of its queries answered without the agent."""
         with self._lock:
             self._judge[point.name].add(judge_s)
             self._small[point.name].add(small_s)
+            if skipped is not None:
+                self._skip[point.name].add(skipped)
 
     def observe_agent(self, seconds: float, loops_running: int) -> None:
         """One agent loop's seconds, with ``loops_running`` loops sharing the engine."""
@@ -275,4 +307,5 @@ class PointChooser:
             small_front=small + (0.0 if on_large else judge),
             agent_latency=agent,
             agent_demand=agent * share,
+            skipped=self._skip[point.name].value,
         )

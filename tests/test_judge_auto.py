@@ -13,7 +13,7 @@ from speceyes.cli.options import add_funnel_args, add_model_args
 from speceyes.factory import Settings
 from speceyes.funnel import Funnel, FunnelConfig
 from speceyes.miniworld.splits import level_defaults, make_split
-from speceyes.operating_points import OperatingPoint, PointChooser
+from speceyes.operating_points import AGENT_POINT, OperatingPoint, PointChooser
 from tests.test_cascade_funnel import models  # noqa: F401, F811  the bundled models, one zoom
 
 POINTS = [
@@ -38,6 +38,41 @@ def test_the_chooser_tries_each_point_then_follows_the_load():
     assert chooser.choose(256) == none
 
 
+def test_the_chooser_learns_what_each_point_skips_and_when_to_skip_the_front():
+    """A point whose tau accepts less than calibrated loses to the one that delivers; and
+    where the front costs more than the loops it saves, the agent-only point wins."""
+    large, none = (OperatingPoint(**p) for p in POINTS)
+    agent = OperatingPoint(AGENT_POINT)
+    chooser = PointChooser([large, none, agent], shared_device=False)
+    for p, judge in ((large, 0.05), (none, 0.0), (agent, 0.0)):
+        assert chooser.choose(16) == p
+        chooser.observe_front(p, judge_s=judge, small_s=0.0 if p is agent else 0.1,
+                              skipped=0.0 if p is agent else 0.7)  # fmt: skip
+    chooser.observe_agent(6.0, 16)
+    assert chooser.choose(64) == none  # both skip 70%: none spends no judge
+    for _ in range(20):  # none's tau turns out to accept only 10% of these queries
+        chooser.observe_front(none, judge_s=0.0, small_s=0.1, skipped=0.1)
+    assert chooser.choose(64) == large
+    # a front that saves nothing: agent-only serves more
+    slow = PointChooser([large, agent], shared_device=False)
+    for p in (large, agent):
+        slow.choose(16)
+        slow.observe_front(p, judge_s=0.0 if p is agent else 1.0, small_s=0.0, skipped=0.0)
+    slow.observe_agent(6.0, 16)
+    assert slow.choose(16) == agent
+
+
+def test_a_point_not_run_for_a_while_runs_again():
+    large, none = (OperatingPoint(**p) for p in POINTS)
+    chooser = PointChooser([large, none], shared_device=False)
+    for p in (large, none):
+        chooser.choose(1)
+        chooser.observe_front(p, judge_s=0.6 if p is large else 0.0, small_s=0.3)
+    chooser.observe_agent(6.0, 32)
+    picks = [chooser.choose(256) for _ in range(2 * PointChooser.EXPLORE_EVERY + 2)]
+    assert picks.count(large) == 2 and picks.count(none) == len(picks) - 2
+
+
 def test_config_checks():
     with pytest.raises(ValueError, match="needs operating points"):
         FunnelConfig(judge="auto").validate()
@@ -50,6 +85,10 @@ def test_config_checks():
     cfg = FunnelConfig(judge="auto", points=POINTS, tau=0.8)
     at = cfg.at_point(OperatingPoint("none", None))
     assert (at.judge, at.tau, at.points) == ("none", 0.8, None)
+    deep = FunnelConfig(judge="auto", points=POINTS, speculate_depth=1, middle_tier=True)
+    at = deep.at_point(OperatingPoint(AGENT_POINT))  # agent-only: no front, no cascade
+    assert (at.mode, at.points, at.cascade) == ("agent", None, False)
+    at.validate()
     assert "points" not in FunnelConfig().to_dict()  # a run without auto logs as before
 
 
@@ -99,6 +138,15 @@ def test_each_batch_runs_at_its_point_with_its_judge_and_tau(models, mw_queries)
     for name, v in summary.items():
         mine = [rec for rec, p in zip(records, points, strict=True) if p["point"] == name]
         assert v["accuracy"] == pytest.approx(sum(rec["correct"] for rec in mine) / len(mine))
+    # the agent-only point: its batches skip phases I-III and go straight to the agent
+    f = Funnel(small, large, agent, FunnelConfig(
+        judge="auto", points=[*POINTS, {"judge": AGENT_POINT}], batch_size=2))  # fmt: skip
+    results = f.run(mw_queries)
+    by_agent = [r for r in results if r.operating_point()["point"] == AGENT_POINT]
+    assert len(by_agent) == 2  # the third batch measures it
+    for r in by_agent:
+        assert r.route == "agent_only" and r.answer == r.agent_answer
+        assert "judge" not in r.timings and "small" not in r.timings and r.p_tool is None
     # the viewer's card shows it
     from speceyes.view import _card
 

@@ -9,6 +9,7 @@ import pytest
 
 from speceyes import simulate as sm
 from speceyes.operating_points import (
+    AGENT_POINT,
     OperatingPoint,
     PointCosts,
     _mva,
@@ -92,6 +93,20 @@ def test_simulated_auto_is_the_chosen_static_variant_run_on_the_same_draws():
         assert auto.throughput == ours[(c, judge)].throughput
         assert auto.vs_agent_only >= max(ours[(c, "large")].vs_agent_only,
                                          ours[(c, "none")].vs_agent_only) * 0.97
+
+
+def test_simulated_auto_skips_the_front_where_it_saves_nothing():
+    """A judge whose tau accepts almost nothing only adds work: auto takes the agent-only
+    point, and its row is agent-only's, run on the same draws."""
+    costs = sm.bench_costs("vstar", shared_gpu=True)
+    pts = [OperatingPoint("large", 0.99, 0.8, 0.02), OperatingPoint(AGENT_POINT)]
+    assert pts[1].skipped == 0.0 and point_costs(costs, pts[1], 16).front_latency == 0.0
+    rows = sm.simulate(costs, ["agent-only", "speceyes"], (16,), 600,
+                       judges=["large", "auto"], points=pts)  # fmt: skip
+    by = {(r.schedule, r.judge): r for r in rows}
+    auto = by[("speceyes", f"auto:{AGENT_POINT}")]
+    assert auto.throughput == pytest.approx(by[("agent-only", "-")].throughput)
+    assert auto.throughput > by[("speceyes", "large")].throughput
 
 
 def test_static_variants_run_at_their_points_rates():

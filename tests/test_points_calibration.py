@@ -50,7 +50,9 @@ def test_one_point_per_run_plus_none_each_at_delta_over_p(runs, tmp_path):
     assert none.n == int(large_run.has_small.sum()) > pc.calibrations[0].n
     path = pcal.write_points_calibration(pc, tmp_path / "points.json")
     pf = read_points_file(path)
-    assert [p.judge for p in pf.points] == ["large", "small", "none"]
+    # and the agent-only point, which accepts no small answer (not one of the tested three)
+    assert [p.judge for p in pf.points] == ["large", "small", "none", "agent"]
+    assert pf.points[-1].skipped == 0.0 and pf.points[-1].tau is None
     assert pf.setup == {"models": dict(zip(("small", "large"), MODELS, strict=True)),
                         "agent": "deepeyes"}  # fmt: skip
     assert pf.gate == {"top_k": 16, "agg": "min", "scale": 0.6}
@@ -64,7 +66,7 @@ def test_point_rates_are_measured_at_each_points_own_tau(runs):
     run = load_run(runs[0])
     conf = np.nan_to_num(rg.confidences(run, 16, "min", 0.6), nan=-np.inf)
     tool_free, tool = run.judge_tool == 0, run.judge_tool == 1
-    large, none = pc.points
+    large, none, _agent = pc.points
     assert large.beta == pytest.approx(tool_free.mean())
     assert large.alpha == pytest.approx((conf[tool_free] > large.tau).mean())
     assert none.alpha == pytest.approx((conf[tool_free] > none.tau).mean())
@@ -90,7 +92,7 @@ def test_points_file_sets_auto_applies_the_gate_and_refuses_other_models(runs, t
     f = settings("--points", str(path)).funnel
     assert f.judge == AUTO and (f.top_k, f.agg, f.judge_mode) == (16, "min", "logit")
     f.validate()
-    assert [p.tau for p in f.operating_points()] == [c.tau for c in pc.calibrations]
+    assert [p.tau for p in f.operating_points()] == [c.tau for c in pc.calibrations] + [None]
     with pytest.raises(ValueError, match="operating points are for --judge auto"):
         settings("--points", str(path), "--judge", "large").funnel.validate()
     with pytest.raises(ValueError, match=r"another setup \(large differ"):

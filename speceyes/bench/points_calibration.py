@@ -13,7 +13,9 @@ own: a both run logs the small model's answer on every query, so the judged run'
 the ``none`` log, and its judge decisions give ``none``'s rates split by what a judge would have
 said (beta, alpha among the judged tool-free, alpha_tool among the judged tool queries).
 The rates are cost estimates for the chooser, measured on the whole run; only the taus carry
-the guarantee.
+the guarantee. The file also holds the agent-only point (``agent``: phases I-III skipped), so
+auto can send a batch straight to the agent where the front costs more than it saves; it
+accepts no small answer, so it needs no test and does not count among the P.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from speceyes.bench.calibrate import calibrate
 from speceyes.bench.calibration_file import Calibration, judge_words, run_setup
 from speceyes.bench.runlog import Run
 from speceyes.bench.splits import Split
-from speceyes.operating_points import OperatingPoint, write_points
+from speceyes.operating_points import AGENT_POINT, OperatingPoint, write_points
 
 METHOD = "bonferroni-over-points"
 
@@ -91,9 +93,12 @@ def calibrate_points(
     agg: str | None = None,
     split: Split | None = None,
     with_none: bool = True,
+    with_agent: bool = True,
 ) -> PointsCalibration:
     """One operating point per run's judge variant (plus ``none`` from the first judged run
-    unless a run has it or ``with_none`` is False), each tested at (1 - C) / P."""
+    unless a run has it or ``with_none`` is False), each tested at (1 - C) / P; and, unless
+    ``with_agent`` is False, the agent-only point, which accepts no small answer and so needs
+    no test (it is not one of the P)."""
     if not runs:
         raise ValueError("give at least one --mode both run")
     for r in runs:
@@ -145,6 +150,8 @@ def calibrate_points(
         cals.append(cal)
         if cal.passed:
             points.append(_point(view, decisions, judge, pixels, cal.tau, g))
+    if with_agent and points:
+        points.append(OperatingPoint(AGENT_POINT))
     return PointsCalibration(
         points=points,
         calibrations=cals,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from speceyes.operating_points import OperatingPoint, PointCosts, choose
+from speceyes.operating_points import AGENT_POINT, OperatingPoint, PointCosts, choose
 from speceyes.simulate.costs import LARGE, SMALL, CostModel, judge_costs
 
 
@@ -19,6 +19,8 @@ def point_costs(costs: CostModel, point: OperatingPoint, in_flight: int) -> Poin
     c = costs if point.judge_max_pixels is None else replace(
         costs, judge_max_pixels=point.judge_max_pixels
     )
+    if point.judge == AGENT_POINT:  # no front: every query's loop, the large model alone
+        return _agent_only_costs(c, in_flight)
     j = judge_costs(c)[point.judge]
     small_pre = c.prefill_s(SMALL, c.small_text_tokens, c.small_view_tokens)
     cs = c.small_s()
@@ -33,22 +35,33 @@ def point_costs(costs: CostModel, point: OperatingPoint, in_flight: int) -> Poin
     judge_pre = j["s"]  # one token of decode on top of its prefill: negligible under load
     large_front = judge_pre if j["model"] == "large" else 0.0
     small_front = small_pre + (judge_pre if j["model"] == "small" else 0.0)
+    latency, demand = _agent_costs(c, in_flight, 1.0 - point.skipped, front)
+    return PointCosts(
+        front_latency=front, large_front=large_front, small_front=small_front,
+        agent_latency=latency, agent_demand=demand, agent_saved=j.get("saves_agent_s", 0.0),
+    )
+
+
+def _agent_costs(
+    c: CostModel, in_flight: int, to_agent: float, front: float
+) -> tuple[float, float]:
+    """(one agent loop alone, its large-model seconds under load). The loops in flight share
+    the decode steps: by Little's law, the in-flight queries times the share of a query's time
+    spent in its agent loop."""
     pre, dec, kv, tool = c._agent_parts()
-    # The agent loops in flight share the decode steps: by Little's law, the in-flight queries
-    # times the share of a query's time spent in its agent loop.
-    to_agent = 1.0 - point.skipped
     agent_time = to_agent * (pre + dec + kv + tool)
     share = agent_time / (front + agent_time) if agent_time > 0 else 0.0
     b = min(max(1.0, in_flight * share), float(c.large_max_batch))
     table = c.step_table(LARGE)
     lo = int(b)
     step = table[lo] + (b - lo) * (table[min(lo + 1, len(table) - 1)] - table[lo])
-    demand = pre + dec * step / (b * table[1]) + kv
-    return PointCosts(
-        front_latency=front, large_front=large_front, small_front=small_front,
-        agent_latency=pre + dec + kv + tool, agent_demand=demand,
-        agent_saved=j.get("saves_agent_s", 0.0),
-    )
+    return pre + dec + kv + tool, pre + dec * step / (b * table[1]) + kv
+
+
+def _agent_only_costs(c: CostModel, in_flight: int) -> PointCosts:
+    latency, demand = _agent_costs(c, in_flight, 1.0, 0.0)
+    return PointCosts(front_latency=0.0, large_front=0.0, small_front=0.0,
+                      agent_latency=latency, agent_demand=demand)
 
 
 def choose_point(

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from speceyes.funnel import JUDGES  # the same variants the funnel runs
-from speceyes.operating_points import AUTO, OperatingPoint
+from speceyes.operating_points import AGENT_POINT, AUTO, OperatingPoint
 from speceyes.simulate.auto import choose_point
 from speceyes.simulate.costs import (
     LARGE,
@@ -509,8 +509,12 @@ def simulate(
                 run_costs = costs if point.judge_max_pixels is None else replace(
                     costs, judge_max_pixels=point.judge_max_pixels
                 )
-                r = simulate_one(s, run_costs, draws_of(point), int(c), published_batch,
-                                 point.judge)
+                if point.judge == AGENT_POINT:  # auto chose to skip phases I-III
+                    r = simulate_one("agent-only", costs, d, int(c), published_batch, "large")
+                    r.schedule = s
+                else:
+                    r = simulate_one(s, run_costs, draws_of(point), int(c), published_batch,
+                                     point.judge)
                 if j == AUTO:
                     r.judge = f"{AUTO}:{point.name}"
             else:
