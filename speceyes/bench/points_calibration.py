@@ -241,6 +241,9 @@ def format_points_calibration(pc: PointsCalibration) -> str:
     lines.append("| point | beta | alpha | alpha_tool | share answered without the agent |")
     lines.append("|---|---|---|---|---|")
     for p in pc.points:
+        if p.judge == AGENT_POINT:  # no front: nothing to rate
+            lines.append(f"| {p.name} (phases I-III skipped) | - | - | - | 0 |")
+            continue
         lines.append(
             f"| {p.name} | {p.beta:.3f} | {p.alpha:.3f} | {p.alpha_tool:.3f} | {p.skipped:.3f} |"
         )
