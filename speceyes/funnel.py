@@ -867,7 +867,12 @@ class Funnel:
         small = sum(r.timings.get("small", 0.0) for r in batch.results) / n
         answered = len(batch.live) - len(batch.to_agent)  # by the small model or a stage
         skipped = answered / len(batch.live) if batch.live else None
-        self._chooser.observe_front(batch.point, judge, small, skipped)  # type: ignore[union-attr]
+        with self._stats_lock:
+            beside = self._in_agent  # agent loops the engine served alongside this front
+        share = len(batch.live) / (len(batch.live) + beside) if batch.live else 1.0
+        self._chooser.observe_front(  # type: ignore[union-attr]
+            batch.point, judge, small, skipped, engine_share=share
+        )
         for r in batch.results:
             r.trace.append({"type": "operating_point", "point": batch.point.name,
                             "judge": batch.point.judge, "tau": batch.cfg.tau})

@@ -257,6 +257,8 @@ class PointChooser:
         self._judge = {p.name: _Mean() for p in self.points}  # seconds per query, phase I
         self._small = {p.name: _Mean() for p in self.points}  # seconds per query, phase II
         self._skip = {p.name: _Mean() for p in self.points}  # share answered without the agent
+        # the batch's share of the large engine while its phase I ran: n / (n + agent loops)
+        self._front_share = {p.name: _Mean() for p in self.points}
         for p in self.points:
             self._skip[p.name].add(p.skipped)  # the calibrated rate, until measured
         self._agent = _Mean()  # seconds of one agent loop, as it ran
@@ -279,13 +281,22 @@ class PointChooser:
             return picked
 
     def observe_front(
-        self, point: OperatingPoint, judge_s: float, small_s: float, skipped: float | None = None
+        self,
+        point: OperatingPoint,
+        judge_s: float,
+        small_s: float,
+        skipped: float | None = None,
+        engine_share: float = 1.0,
     ) -> None:
-        """Phase I and II seconds per query of one batch that ran at ``point``, and the share
-        of its queries answered without the agent."""
+        """Phase I and II seconds per query of one batch that ran at ``point``, the share of
+        its queries answered without the agent, and the batch's share of the large engine
+        while it ran (``n / (n + agent loops running beside it)``). The seconds are wall time:
+        the engine served the agent loops in the same steps, so the batch's own work is that
+        share of them, the same accounting as an agent loop's (``observe_agent``)."""
         with self._lock:
             self._judge[point.name].add(judge_s)
             self._small[point.name].add(small_s)
+            self._front_share[point.name].add(engine_share)
             if skipped is not None:
                 self._skip[point.name].add(skipped)
 
@@ -301,10 +312,13 @@ class PointChooser:
         on_large = point.judge in ("large", "prefix")
         agent = self._agent.value or 0.0
         share = self._share.value or 1.0
+        front_share = self._front_share[point.name].value or 1.0
+        # the small engine is shared with the agent loops only where both models share one
+        small_share = front_share if self.shared_device else 1.0
         return PointCosts(
             front_latency=judge + small,
-            large_front=judge if on_large else 0.0,
-            small_front=small + (0.0 if on_large else judge),
+            large_front=judge * front_share if on_large else 0.0,
+            small_front=(small + (0.0 if on_large else judge)) * small_share,
             agent_latency=agent,
             agent_demand=agent * share,
             skipped=self._skip[point.name].value,

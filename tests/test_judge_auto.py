@@ -62,6 +62,26 @@ def test_the_chooser_learns_what_each_point_skips_and_when_to_skip_the_front():
     assert slow.choose(16) == agent
 
 
+def test_front_seconds_count_only_the_batchs_share_of_the_engine():
+    """A judge batch's wall time under load includes the agent loops the engine served in the
+    same steps; counted whole, it would make the front look dearer than it is."""
+    large, agent = OperatingPoint(**POINTS[0]), OperatingPoint(AGENT_POINT)
+
+    def pick(share: float) -> OperatingPoint:
+        c = PointChooser([large, agent], shared_device=False)
+        for p in (large, agent):
+            c.choose(64)
+            if p is agent:
+                c.observe_front(p, judge_s=0.0, small_s=0.0, skipped=0.0)
+            else:
+                c.observe_front(p, judge_s=0.5, small_s=0.1, skipped=0.7, engine_share=share)
+        c.observe_agent(6.0, 32)  # 6 s of wall, one 32nd of the engine
+        return c.choose(64)
+
+    assert pick(1.0) == agent  # 0.5 s of the engine per judged query: dearer than it saves
+    assert pick(16 / 80) == large  # 16 judged beside 64 loops: a fifth of that
+
+
 def test_a_point_not_run_for_a_while_runs_again():
     large, none = (OperatingPoint(**p) for p in POINTS)
     chooser = PointChooser([large, none], shared_device=False)
