@@ -261,8 +261,8 @@ class PointChooser:
         self._front_share = {p.name: _Mean() for p in self.points}
         for p in self.points:
             self._skip[p.name].add(p.skipped)  # the calibrated rate, until measured
-        self._agent = _Mean()  # seconds of one agent loop, as it ran
-        self._share = _Mean()  # that loop's share of the engine: 1 / loops running beside it
+        self._agent = _Mean()  # one agent loop's share of the engine time of its batched turns
+        self._wall = _Mean()  # one agent loop's wall time: that share times the loops sharing
         self._batches = 0  # batches chosen so far
         self._last = {p.name: -1 for p in self.points}  # the batch each point last ran
         self._lock = threading.Lock()
@@ -301,17 +301,18 @@ class PointChooser:
                 self._skip[point.name].add(skipped)
 
     def observe_agent(self, seconds: float, loops_running: int) -> None:
-        """One agent loop's seconds, with ``loops_running`` loops sharing the engine."""
+        """One agent loop's ``seconds``: its share of the wall time of the batched turns it
+        took part in (``agents.base.drive_loops``), that is its engine time, with
+        ``loops_running`` loops sharing the engine; its wall time is about that many shares."""
         with self._lock:
             self._agent.add(seconds)
-            self._share.add(1.0 / max(1, loops_running))
+            self._wall.add(seconds * max(1, loops_running))
 
     def _costs(self, point: OperatingPoint, in_flight: int) -> PointCosts:
         judge = self._judge[point.name].value or 0.0
         small = self._small[point.name].value or 0.0
         on_large = point.judge in ("large", "prefix")
         agent = self._agent.value or 0.0
-        share = self._share.value or 1.0
         front_share = self._front_share[point.name].value or 1.0
         # the small engine is shared with the agent loops only where both models share one
         small_share = front_share if self.shared_device else 1.0
@@ -319,7 +320,7 @@ class PointChooser:
             front_latency=judge + small,
             large_front=judge * front_share if on_large else 0.0,
             small_front=(small + (0.0 if on_large else judge)) * small_share,
-            agent_latency=agent,
-            agent_demand=agent * share,
+            agent_latency=self._wall.value or agent,
+            agent_demand=agent,  # already a share: the loop's engine time
             skipped=self._skip[point.name].value,
         )

@@ -29,9 +29,9 @@ def test_the_chooser_tries_each_point_then_follows_the_load():
     chooser.observe_front(large, judge_s=0.6, small_s=0.3)
     assert chooser.choose(1) == none
     chooser.observe_front(none, judge_s=0.0, small_s=0.3)
-    # An agent loop of 6 s alone, sharing the engine with 31 others under load: its decode
-    # steps are shared, the judge's prefill is not.
-    chooser.observe_agent(6.0, 32)
+    # An agent loop of 6 s, sharing the engine with 31 others: its share of the engine is a
+    # 32nd of that (drive_loops reports the share), while the judge's prefill is not shared.
+    chooser.observe_agent(6.0 / 32, 32)
     # alone, the judge sends more queries past the agent (latency); under load its
     # prefill is large-model work that the none point does not spend
     assert chooser.choose(1) == large
@@ -48,7 +48,7 @@ def test_the_chooser_learns_what_each_point_skips_and_when_to_skip_the_front():
         assert chooser.choose(16) == p
         chooser.observe_front(p, judge_s=judge, small_s=0.0 if p is agent else 0.1,
                               skipped=0.0 if p is agent else 0.7)  # fmt: skip
-    chooser.observe_agent(6.0, 16)
+    chooser.observe_agent(6.0 / 16, 16)
     assert chooser.choose(64) == none  # both skip 70%: none spends no judge
     for _ in range(20):  # none's tau turns out to accept only 10% of these queries
         chooser.observe_front(none, judge_s=0.0, small_s=0.1, skipped=0.1)
@@ -58,7 +58,7 @@ def test_the_chooser_learns_what_each_point_skips_and_when_to_skip_the_front():
     for p in (large, agent):
         slow.choose(16)
         slow.observe_front(p, judge_s=0.0 if p is agent else 1.0, small_s=0.0, skipped=0.0)
-    slow.observe_agent(6.0, 16)
+    slow.observe_agent(6.0 / 16, 16)
     assert slow.choose(16) == agent
 
 
@@ -75,7 +75,7 @@ def test_front_seconds_count_only_the_batchs_share_of_the_engine():
                 c.observe_front(p, judge_s=0.0, small_s=0.0, skipped=0.0)
             else:
                 c.observe_front(p, judge_s=0.5, small_s=0.1, skipped=0.7, engine_share=share)
-        c.observe_agent(6.0, 32)  # 6 s of wall, one 32nd of the engine
+        c.observe_agent(6.0 / 32, 32)  # 6 s of wall, one 32nd of the engine
         return c.choose(64)
 
     assert pick(1.0) == agent  # 0.5 s of the engine per judged query: dearer than it saves
@@ -88,7 +88,7 @@ def test_a_point_not_run_for_a_while_runs_again():
     for p in (large, none):
         chooser.choose(1)
         chooser.observe_front(p, judge_s=0.6 if p is large else 0.0, small_s=0.3)
-    chooser.observe_agent(6.0, 32)
+    chooser.observe_agent(6.0 / 32, 32)
     picks = [chooser.choose(256) for _ in range(2 * PointChooser.EXPLORE_EVERY + 2)]
     assert picks.count(large) == 2 and picks.count(none) == len(picks) - 2
 
