@@ -157,27 +157,7 @@ def choose(
 def read_points(path: str | Path) -> list[OperatingPoint]:
     """Operating points from JSON: a list of point objects, or ``{"points": [...]}`` (as
     :func:`write_points` writes it)."""
-    p = Path(path)
-    try:
-        data: Any = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{p}: not valid JSON ({e})") from e
-    items = data.get("points") if isinstance(data, dict) else data
-    if not isinstance(items, list) or not items:
-        raise ValueError(f"{p}: expected a non-empty list of operating points")
-    known = set(OperatingPoint.__dataclass_fields__)
-    out = []
-    for i, item in enumerate(items):
-        if not isinstance(item, dict) or "judge" not in item:
-            raise ValueError(f"{p}: point {i} must be an object with a 'judge'")
-        extra = sorted(set(item) - known - {"note", "max_error", "confidence", "n"})
-        if extra:
-            raise ValueError(f"{p}: point {i} has unknown keys: {', '.join(extra)}")
-        try:
-            out.append(OperatingPoint(**{k: v for k, v in item.items() if k in known}))
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"{p}: point {i}: {e}") from e
-    return out
+    return read_points_file(path).points
 
 
 @dataclass(frozen=True)
@@ -196,9 +176,14 @@ class PointsFile:
 
 
 def read_points_file(path: str | Path) -> PointsFile:
-    """:func:`read_points` with what the file records besides the points."""
-    points = read_points(path)
-    data = json.loads(Path(path).read_text())
+    """:func:`read_points` with what the file records besides the points (one read, one
+    parse)."""
+    p = Path(path)
+    try:
+        data: Any = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{p}: not valid JSON ({e})") from e
+    points = _points_of(p, data.get("points") if isinstance(data, dict) else data)
     if not isinstance(data, dict):
         return PointsFile(points)
     for key in ("setup", "gate", "guarantee"):
@@ -212,6 +197,25 @@ def read_points_file(path: str | Path) -> PointsFile:
         judge_threshold=data.get("judge_threshold"),
         guarantee=data.get("guarantee"),
     )
+
+
+def _points_of(p: Path, items: Any) -> list[OperatingPoint]:
+    """The points of a file's list, each checked (``p`` names the file in errors)."""
+    if not isinstance(items, list) or not items:
+        raise ValueError(f"{p}: expected a non-empty list of operating points")
+    known = set(OperatingPoint.__dataclass_fields__)
+    out = []
+    for i, item in enumerate(items):
+        if not isinstance(item, dict) or "judge" not in item:
+            raise ValueError(f"{p}: point {i} must be an object with a 'judge'")
+        extra = sorted(set(item) - known - {"note", "max_error", "confidence", "n"})
+        if extra:
+            raise ValueError(f"{p}: point {i} has unknown keys: {', '.join(extra)}")
+        try:
+            out.append(OperatingPoint(**{k: v for k, v in item.items() if k in known}))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{p}: point {i}: {e}") from e
+    return out
 
 
 def write_points(path: str | Path, points: Sequence[OperatingPoint], **extra: Any) -> Path:
