@@ -247,11 +247,15 @@ class PointChooser:
     assumed; then :func:`choose` decides with the queries in flight. The share each point
     answers without the agent is measured too (starting from its calibrated rate): a threshold
     calibrated on other queries may accept more or less of these. A point not run for
-    ``explore_every`` batches runs one batch again, so an estimate made under another load, or
-    on a few queries, is renewed. Thread-safe (the pipelined schedule observes agent loops from
-    another thread)."""
+    ``EXPLORE_EVERY`` batches runs one batch again, so an estimate made under another load, or
+    on a few queries, is renewed. Each re-run that the rule then does not follow doubles that
+    point's wait (up to ``EXPLORE_MAX``), and the rule choosing it resets the wait: a point that
+    keeps losing costs a number of batches that grows with the log of the run's length, not with
+    its length, while a change of load that favours it is still found. Thread-safe (the
+    pipelined schedule observes agent loops from another thread)."""
 
     EXPLORE_EVERY = 24  # batches after which a point not run since runs one batch again
+    EXPLORE_MAX = 16 * EXPLORE_EVERY  # the longest wait a losing point's re-runs back off to
 
     def __init__(self, points: Sequence[OperatingPoint], shared_device: bool) -> None:
         if not points:
@@ -269,18 +273,22 @@ class PointChooser:
         self._wall = _Mean()  # one agent loop's wall time: that share times the loops sharing
         self._batches = 0  # batches chosen so far
         self._last = {p.name: -1 for p in self.points}  # the batch each point last ran
+        self._wait = {p.name: self.EXPLORE_EVERY for p in self.points}  # batches before a re-run
         self._lock = threading.Lock()
 
     def choose(self, in_flight: int) -> OperatingPoint:
         with self._lock:
             self._batches += 1
             stale = [p for p in self.points if self._judge[p.name].value is None] or [
-                p for p in self.points if self._batches - self._last[p.name] > self.EXPLORE_EVERY
+                p for p in self.points if self._batches - self._last[p.name] > self._wait[p.name]
             ]
             if stale:
                 picked = min(stale, key=lambda p: self._last[p.name])
+                if self._last[picked.name] >= 0:  # a re-run: the next one waits twice as long
+                    self._wait[picked.name] = min(2 * self._wait[picked.name], self.EXPLORE_MAX)
             else:
                 picked = choose(self.points, self._costs, max(1, in_flight), self.shared_device)
+                self._wait[picked.name] = self.EXPLORE_EVERY  # the rule wants it: renew it often
             self._last[picked.name] = self._batches
             return picked
 

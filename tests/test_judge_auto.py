@@ -89,8 +89,31 @@ def test_a_point_not_run_for_a_while_runs_again():
         chooser.choose(1)
         chooser.observe_front(p, judge_s=0.6 if p is large else 0.0, small_s=0.3)
     chooser.observe_agent(6.0 / 32, 32)
-    picks = [chooser.choose(256) for _ in range(2 * PointChooser.EXPLORE_EVERY + 2)]
-    assert picks.count(large) == 2 and picks.count(none) == len(picks) - 2
+    picks = [chooser.choose(256) for _ in range(PointChooser.EXPLORE_EVERY + 2)]
+    assert picks.count(large) == 1 and picks.count(none) == len(picks) - 1
+
+
+def test_a_point_that_keeps_losing_is_rerun_ever_more_rarely_until_the_load_favours_it():
+    """Re-runs of a losing point back off (each wait twice the last, up to EXPLORE_MAX), so
+    at a steady load their cost fades; once the load favours it, the rule takes it at once."""
+    large, none = (OperatingPoint(**p) for p in POINTS)
+    chooser = PointChooser([large, none], shared_device=False)
+    for p in (large, none):
+        chooser.choose(1)
+        chooser.observe_front(p, judge_s=0.6 if p is large else 0.0, small_s=0.3)
+    chooser.observe_agent(6.0 / 32, 32)
+    batches = 2000
+    picks = [chooser.choose(256) for _ in range(batches)]  # under load none wins
+    runs = [i for i, p in enumerate(picks) if p == large]
+    gaps = [b - a for a, b in zip([-1, *runs], runs, strict=False)]  # batch 0 here is batch 3
+    every, most = PointChooser.EXPLORE_EVERY, PointChooser.EXPLORE_MAX
+    waits = [min(every * 2**k, most) for k in range(len(gaps))]
+    assert gaps[1:] == [w + 1 for w in waits[1:]]
+    assert len(runs) <= 10 < batches // every  # a fixed period would have run it 80 times
+    # the load drops: alone, the judge's point is the faster one, and it is followed
+    picks = [chooser.choose(1) for _ in range(5)]
+    assert picks == [large] * 5
+    assert chooser.choose(256) == none  # and under load again, none at once (measured)
 
 
 def test_config_checks():
