@@ -22,7 +22,8 @@ $(VENV)/.installed-test: $(VENV)/.installed
 # it pins torch 2.13.0+cpu and transformers<5.20. About 3.5 min and 3.7 GB once; see the README.
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
-VLLM_TESTS := tests/test_vllm_server.py tests/test_vllm_backend.py tests/test_cross_backend.py tests/test_vllm_replicas.py
+VLLM_TESTS := tests/test_vllm_server.py tests/test_vllm_backend.py tests/test_cross_backend.py tests/test_vllm_replicas.py \
+	tests/test_vllm_middle_tier.py
 $(VLLM_VENV)/.installed: tests/vllm_env/setup.sh tests/vllm_env/constraints.txt \
 		tests/vllm_env/wheel_requirements.py tests/vllm_env/torchvision_ops_hook.py pyproject.toml
 	bash tests/vllm_env/setup.sh $(VLLM_VENV)

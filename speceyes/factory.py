@@ -161,6 +161,7 @@ class Settings:
             protocol=arg("protocol", f.protocol),
             speculate_depth=arg("speculate_depth", f.speculate_depth),
             middle_tier=bool(arg("middle_tier", f.middle_tier)),
+            direct_prompt=arg("direct_prompt", f.direct_prompt),
             small_agent=arg("small_agent"),
         )
         b = BackendSettings
@@ -301,7 +302,7 @@ class Settings:
         )
         cascade = _cascade_of(source)
         if cascade is not None:
-            funnel = _with_cascade(funnel, *cascade)
+            funnel = _with_cascade(funnel, cascade)
         return replace(self, funnel=funnel)
 
     def with_points_file(self, path: str | os.PathLike[str]) -> Settings:
@@ -379,13 +380,22 @@ def _with_model(spec: str | None, model: str | None) -> str | None:
     return with_model(spec, model)
 
 
-def _cascade_of(
-    path: str | os.PathLike[str] | None,
-) -> tuple[dict[str, float], int, bool, dict[str, dict[str, float]]] | None:
-    """A cascade calibration file's per-stage thresholds, the cascade they were certified
-    for (speculation depth, middle tier) and its per-category thresholds ({} without
-    ``--per-category``); None for a file of the two-stage funnel (or a calibration given as a
-    record)."""
+@dataclass(frozen=True)
+class CertifiedCascade:
+    """What a cascade calibration file certifies: per-stage thresholds, the cascade they hold
+    for (speculation depth, middle tier and its prompt) and per-category thresholds ({}
+    without ``--per-category``)."""
+
+    taus: dict[str, float]
+    depth: int
+    middle: bool
+    direct_prompt: str
+    category_taus: dict[str, dict[str, float]]
+
+
+def _cascade_of(path: str | os.PathLike[str] | None) -> CertifiedCascade | None:
+    """A cascade calibration file's :class:`CertifiedCascade`; None for a file of the
+    two-stage funnel (or a calibration given as a record)."""
     if path is None:
         return None
     raw = json.loads(Path(path).read_text(encoding="utf-8"))
@@ -396,36 +406,43 @@ def _cascade_of(
     taus = read_stage_taus(raw)
     block = raw.get("cascade") or {}
     depths = [int(s.split("@", 1)[1]) for s in taus if s.startswith("small@")]
-    depth = int(block.get("speculate_depth", max(depths, default=0)))
-    middle = bool(block.get("middle_tier", "large_direct" in taus))
-    return taus, depth, middle, read_category_taus(raw)
+    return CertifiedCascade(
+        taus=taus,
+        depth=int(block.get("speculate_depth", max(depths, default=0))),
+        middle=bool(block.get("middle_tier", "large_direct" in taus)),
+        # files written before the prompt could be chosen used the speculative one
+        direct_prompt=str(block.get("direct_prompt", FunnelConfig.direct_prompt)),
+        category_taus=read_category_taus(raw),
+    )
 
 
-def _with_cascade(
-    f: FunnelConfig,
-    taus: dict[str, float],
-    depth: int,
-    middle: bool,
-    category_taus: dict[str, dict[str, float]],
-):
+def _with_cascade(f: FunnelConfig, c: CertifiedCascade) -> FunnelConfig:
     """The funnel with the cascade a calibration certified: its stages and their thresholds,
     per query category where it calibrated them (a category it does not name: the overall
-    thresholds). The guarantee covers that cascade only (another depth or tier changes which
-    queries reach each stage), so a funnel that asks for another one is refused."""
+    thresholds). The guarantee covers that cascade only (another depth, tier or direct prompt
+    changes which queries reach each stage and what they answer), so a funnel that asks for
+    another one is refused."""
     # a flag left at its default asks for nothing; one that was set must match the file
-    if (f.speculate_depth and f.speculate_depth != depth) or (f.middle_tier and not middle):
+    if (f.speculate_depth and f.speculate_depth != c.depth) or (f.middle_tier and not c.middle):
         raise ValueError(
-            f"the calibration certifies the cascade with --speculate-depth {depth}"
-            f"{' and --middle-tier' if middle else ' without --middle-tier'}; its thresholds "
+            f"the calibration certifies the cascade with --speculate-depth {c.depth}"
+            f"{' and --middle-tier' if c.middle else ' without --middle-tier'}; its thresholds "
             "do not hold for another one (calibrate that cascade's own both-mode run)"
         )
-    stage_taus = f.stage_taus if f.stage_taus is not None else taus
+    asked = f.direct_prompt != FunnelConfig.direct_prompt
+    if c.middle and asked and f.direct_prompt != c.direct_prompt:
+        raise ValueError(
+            f"the calibration certifies the middle tier with --direct-prompt {c.direct_prompt}; "
+            f"its threshold does not hold for --direct-prompt {f.direct_prompt}"
+        )
+    stage_taus = f.stage_taus if f.stage_taus is not None else c.taus
     return replace(
         f,
-        speculate_depth=depth,
-        middle_tier=middle,
+        speculate_depth=c.depth,
+        middle_tier=c.middle,
+        direct_prompt=c.direct_prompt if c.middle else FunnelConfig.direct_prompt,
         stage_taus=stage_taus,
-        category_taus=category_taus or None,
+        category_taus=c.category_taus or None,
     )
 
 

@@ -80,6 +80,7 @@ from speceyes.operating_points import AGENT_POINT, AUTO, OperatingPoint, PointCh
 from speceyes.rates import beta_alpha
 from speceyes.types import (  # the funnel's vocabulary, re-exported for older imports
     AGENT_ONLY_MODES,
+    DIRECT_PROMPTS,
     JUDGES,
     LARGE_DIRECT_STAGE,
     MODES,
@@ -122,6 +123,7 @@ class FunnelConfig:
     # ---- the cascade (docs/cascade.md); these defaults are the paper's two-stage funnel
     speculate_depth: int = 0  # the small model's own tool calls, gated after each (small@d)
     middle_tier: bool = False  # the large model's direct answer, gated (large_direct)
+    direct_prompt: str = DIRECT_PROMPTS[0]  # large_direct's prompt (types.DIRECT_PROMPTS)
     small_agent: str | None = None  # the small model's loop; None: cascade.default_small_agent
     stage_taus: dict[str, float] | None = None  # a threshold per stage; a stage not named: tau
     # per query category, a threshold per stage (adaptive gating, calibrate --per-category);
@@ -145,7 +147,8 @@ class FunnelConfig:
         ``--judge auto``)."""
         if point.judge == AGENT_POINT:  # phases I-III skipped: the agent loop for every query
             return replace(self, mode="agent", judge=JUDGES[0], judge_max_pixels=None,
-                           points=None, speculate_depth=0, middle_tier=False)
+                           points=None, speculate_depth=0, middle_tier=False,
+                           direct_prompt=DIRECT_PROMPTS[0])
         tau = self.tau if point.tau is None else point.tau
         return replace(self, judge=point.judge, judge_max_pixels=point.judge_max_pixels,
                        tau=tau, points=None)
@@ -216,6 +219,16 @@ class FunnelConfig:
                 f"unknown small agent {self.small_agent!r}; choose from "
                 f"{', '.join(cascade.SMALL_AGENTS)}"
             )
+        if self.direct_prompt not in DIRECT_PROMPTS:
+            raise ValueError(
+                f"unknown direct prompt {self.direct_prompt!r}; choose from "
+                f"{', '.join(DIRECT_PROMPTS)}"
+            )
+        if self.direct_prompt != DIRECT_PROMPTS[0] and not self.middle_tier:
+            raise ValueError(
+                f"--direct-prompt {self.direct_prompt} is the middle tier's prompt: add "
+                "--middle-tier"
+            )
         if self.cascade and PLANS[self.mode].gate != "accept":
             raise ValueError(
                 f"the cascade (speculate_depth, middle_tier) gates answers: modes "
@@ -244,6 +257,7 @@ class FunnelConfig:
 CASCADE_DEFAULTS: dict[str, Any] = {
     "speculate_depth": 0,
     "middle_tier": False,
+    "direct_prompt": DIRECT_PROMPTS[0],
     "small_agent": None,
     "stage_taus": None,
     "category_taus": None,
@@ -407,6 +421,13 @@ class Funnel:
                 "--judge prefix: this agent's first prompt cannot be shared with the judge "
                 "(the Thyme agent's names a per-run sandbox file); use large, small, "
                 "small-prefix or none"
+            )
+        shared_direct = self.config.middle_tier and self.config.direct_prompt == "agent-prefix"
+        if shared_direct and agent is not None and not agent.shares_first_prompt:
+            raise ValueError(
+                "--direct-prompt agent-prefix: this agent's first prompt cannot be shared with "
+                "the direct answer (the Thyme agent's names a per-run sandbox file); use "
+                "--direct-prompt speculative"
             )
         self.speculation = speculation
         cfg = self.config
@@ -583,6 +604,12 @@ class Funnel:
         query = Query(id="judge", image=image, question=question, options=options)
         return [*self.agent.first_messages(query), _judge_turn()]
 
+    def _agent_prefix_direct_messages(self, image: Any, question: str, options: Any) -> list[dict]:
+        """The agent's own first-turn messages, then the direct question as a user turn (the
+        middle tier with ``--direct-prompt agent-prefix``)."""
+        query = Query(id="direct", image=image, question=question, options=options)
+        return [*self.agent.first_messages(query), _user_turn(prompts.DIRECT_TURN_TEXT)]
+
     # ---- phase II -------------------------------------------------------------------------
     def _speculate(self, batch: Batch, idx: Sequence[int]) -> None:
         """Phase II: the small model's answers for ``idx``, each with the top-K values of
@@ -758,9 +785,13 @@ class Funnel:
             ]
 
     def _middle(self, batch: Batch, idx: Sequence[int]) -> None:
-        """Stage large_direct: the large model's answer on the full image with the
-        speculative-answer prompt, no tools, gated at its own tau."""
-        build = partial(self._protocol.small_messages, self._family)
+        """Stage large_direct: the large model's answer on the full image without tools,
+        gated at its own tau; its prompt is the speculative answer's, or the agent's own first
+        turn and the direct question (``direct_prompt``)."""
+        if batch.cfg.direct_prompt == "agent-prefix":
+            build = self._agent_prefix_direct_messages
+        else:
+            build = partial(self._protocol.small_messages, self._family)
         idx, msgs = self._messages(build, batch, idx)
         self._stage(batch, LARGE_DIRECT_STAGE, self.large, idx, msgs, LARGE_DIRECT_STAGE)
 
@@ -1022,8 +1053,12 @@ def _shares_device(small: Backend | None, large: Backend | None) -> bool:
     return a is not None and str(a) == str(b)
 
 
+def _user_turn(text: str) -> dict:
+    return {"role": "user", "content": [prompts.text_part(text)]}
+
+
 def _judge_turn() -> dict:
-    return {"role": "user", "content": [prompts.text_part(PREFIX_JUDGE_TEXT)]}
+    return _user_turn(PREFIX_JUDGE_TEXT)
 
 
 def _judge_view(image: Any, backend: Backend, max_pixels: int) -> Any:

@@ -26,6 +26,13 @@ SMALL_SYSTEM = (
     "explanations, reasoning, labels, or any extra text."
 )
 SMALL_SUFFIX = "\nAnswer:"
+# The middle tier's question after the agent's own first turn (--direct-prompt agent-prefix):
+# the speculative answer's instructions (SMALL_SYSTEM less its greeting, then SMALL_SUFFIX),
+# with the tool declined, as one more user turn, the way the prefix judge asks its question.
+DIRECT_TURN_TEXT = (
+    "Do not call any tool. " + SMALL_SYSTEM.removeprefix("You are a helpful assistant. ")
+    + SMALL_SUFFIX
+)
 
 # --- DeepEyes (Qwen2.5-VL-7B, image_zoom_in_tool) -----------------------------------------------
 # The tool schema below is the checkpoint's evaluation prompt byte for byte, including its

@@ -32,6 +32,12 @@ CASCADE_PHASES: tuple[str, ...] = ("small_deep", "large_direct")
 # answer. Each is gated against its own threshold before the large agent loop.
 SMALL_STAGE_PREFIX = "small@"
 LARGE_DIRECT_STAGE = "large_direct"
+# The middle tier's prompt: "speculative", the speculative-answer prompt on the large model (it
+# shares no prefix with the agent, so its image prefill is added); "agent-prefix", the agent's
+# own first-turn messages and then one user turn asking for the answer without tools, so that a
+# prefix-caching server prefills the image once for the judge (prefix), this answer and the
+# agent's first turn (docs/cascade.md).
+DIRECT_PROMPTS: tuple[str, ...] = ("speculative", "agent-prefix")
 
 
 def small_stage(depth: int) -> str:

@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import pytest
 
-from speceyes import cascade
+from speceyes import cascade, prompts
 from speceyes.agents.search import SearchAgent
 from speceyes.backends.base import BackendError
 from speceyes.bench import runner
@@ -24,6 +24,7 @@ from speceyes.factory import BackendSettings, Settings, make_backend
 from speceyes.funnel import CASCADE_DEFAULTS, Funnel, FunnelConfig, route_of
 from speceyes.miniworld import demo
 from speceyes.miniworld.splits import level_defaults, make_split
+from speceyes.operating_points import AGENT_POINT, OperatingPoint
 from speceyes.types import PHASES, ChatTurn, Result, small_stage
 
 # The manifest's search agent, one zoom over a 2x2 grid: enough to exercise every stage.
@@ -126,6 +127,39 @@ def test_the_middle_tier_alone(models, mw_queries):
         assert direct["accepted"] == (direct["confidence"] > 0.9)
         assert (r.route == "large_direct") == direct["accepted"]
     assert f.speculation is None
+
+
+def test_the_middle_tier_on_the_agents_prefix(models, mw_queries):
+    """--direct-prompt agent-prefix: the direct answer's prompt is the agent's own first turn
+    and then the direct question, so a prefix cache holds its image prefill (the real server's
+    cache hit: tests/test_vllm_middle_tier.py); the real model answers it and its gate decides."""
+    _, _, agent = models
+    f, res = cascade_run(models, mw_queries, middle_tier=True, direct_prompt="agent-prefix",
+                         stage_taus={"small@0": NEVER})  # fmt: skip
+    q = mw_queries[0]
+    msgs = f._agent_prefix_direct_messages(q.image, q.question, q.options)
+    assert msgs[:-1] == agent.first_messages(q)
+    assert msgs[-1] == {"role": "user", "content": [{"type": "text", "text": prompts.DIRECT_TURN_TEXT}]}
+    spec = funnel(models, middle_tier=True).run(mw_queries)
+    for r, s in zip(res, spec, strict=True):
+        direct = r.stages[-1]
+        assert direct["stage"] == "large_direct" and direct["confidence"] is not None
+        assert (r.route == "large_direct") == direct["accepted"]
+        # another prompt, another answer distribution: the confidence moves
+        assert direct["confidence"] != s.stages[-1]["confidence"]
+
+
+def test_the_direct_prompt_checks():
+    with pytest.raises(ValueError, match="unknown direct prompt"):
+        FunnelConfig(middle_tier=True, direct_prompt="agent").validate()
+    with pytest.raises(ValueError, match="add --middle-tier"):
+        FunnelConfig(direct_prompt="agent-prefix").validate()
+    at = FunnelConfig(middle_tier=True, direct_prompt="agent-prefix", judge="auto",
+                      points=[{"judge": "large"}]).at_point(OperatingPoint(AGENT_POINT))  # fmt: skip
+    at.validate()  # agent-only: no middle tier, so no direct prompt
+    assert "direct_prompt" not in FunnelConfig().to_dict()  # a run without it logs as before
+    assert FunnelConfig(middle_tier=True, direct_prompt="agent-prefix").to_dict()[
+        "direct_prompt"] == "agent-prefix"  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -346,6 +380,8 @@ def test_cli_flags_reach_the_funnel_config():
     ns = p.parse_args(["--speculate-depth", "2", "--middle-tier", "--small-agent", "deepeyes"])
     f = Settings.from_args(ns).funnel
     assert (f.speculate_depth, f.middle_tier, f.small_agent) == (2, True, "deepeyes")
+    ns = p.parse_args(["--middle-tier", "--direct-prompt", "agent-prefix"])
+    assert Settings.from_args(ns).funnel.direct_prompt == "agent-prefix"
     plain = Settings.from_args(p.parse_args([])).funnel
     assert plain == FunnelConfig(batch_size=None, schedule=None)
 

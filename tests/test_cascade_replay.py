@@ -178,6 +178,14 @@ def test_cli_calibrate_then_regate(cascade_dir, tmp_path, capsys):
     assert applied.stage_tau("small@0") == data["stages"]["small@0"]
     with pytest.raises(ValueError, match="certifies the cascade with --speculate-depth 2"):
         base.with_funnel(speculate_depth=1).with_calibration(out)
+    # the middle tier's prompt is part of what the file certifies, and applied with it
+    assert data["cascade"]["direct_prompt"] == applied.direct_prompt == "speculative"
+    with pytest.raises(ValueError, match="certifies the middle tier with --direct-prompt spec"):
+        base.with_funnel(middle_tier=True, direct_prompt="agent-prefix").with_calibration(out)
+    shared = {**data, "cascade": {**data["cascade"], "direct_prompt": "agent-prefix"}}
+    out.write_text(json.dumps(shared))
+    assert base.with_calibration(out).funnel.direct_prompt == "agent-prefix"
+    out.write_text(json.dumps(data))
     assert applied.category_taus is None  # no --per-category: every query the overall ones
     # with --per-category, each category's thresholds reach the funnel with the overall ones
     assert main(["calibrate", str(cascade_dir), "--cascade", "--per-category",

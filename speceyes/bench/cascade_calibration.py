@@ -53,6 +53,7 @@ from speceyes.bench.ltt import (
 )
 from speceyes.bench.runlog import Run
 from speceyes.bench.splits import Split, split_indices, split_run
+from speceyes.types import DIRECT_PROMPTS
 
 FIXED_SEQUENCE = "fixed-sequence"
 BONFERRONI = "bonferroni"
@@ -384,6 +385,8 @@ def calibrate_cascade(
         "stage_order": list(log.stages),
         "speculate_depth": max(depths, default=0),
         "middle_tier": cr.LARGE_DIRECT in log.stages,
+        # the middle tier's prompt moves its answers and confidences: the run's, recorded
+        "direct_prompt": cfg.get("direct_prompt", DIRECT_PROMPTS[0]),
         "delta": delta,
         "valid_vectors": choice.valid,
         "cost": choice.cost,

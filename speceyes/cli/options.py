@@ -16,7 +16,7 @@ from speceyes.backends.registry import ENGINES, VLLM_SHARED_MEMORY
 from speceyes.factory import AgentSettings, BackendSettings, Settings
 from speceyes.funnel import JUDGES, MODES, PLANS, SCHEDULES, FunnelConfig
 from speceyes.operating_points import AUTO
-from speceyes.types import LARGE_DIRECT_STAGE, small_stage
+from speceyes.types import DIRECT_PROMPTS, LARGE_DIRECT_STAGE, small_stage
 
 _SEARCH = registry.AGENTS["search"]
 
@@ -301,6 +301,16 @@ def add_cascade_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help=f"stage {LARGE_DIRECT_STAGE}: the large model answers from the full image without "
         "tools, gated, before its agent loop (default: off)",
+    )
+    g.add_argument(
+        "--direct-prompt",
+        default=f.direct_prompt,
+        choices=DIRECT_PROMPTS,
+        help=f"the prompt of --middle-tier: speculative (the small model's answer prompt, on the "
+        "large model; its image prefill is added) or agent-prefix (the agent's own first turn, "
+        "then a direct question: a prefix-caching server prefills the image once for the prefix "
+        "judge, the direct answer and the agent's first turn; for a large model that follows "
+        f"instructions after the agent's prompt) (default: {f.direct_prompt})",
     )
     g.add_argument(
         "--small-agent",

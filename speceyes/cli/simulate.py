@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from speceyes.types import DIRECT_PROMPTS
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     sim = sub.add_parser(
@@ -73,9 +75,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "small@1=0.4, large_direct=0.3)",
     )
     cas.add_argument(
-        "--direct-prompt", default="speculative", choices=["speculative", "agent-prefix"],
-        help="large_direct's prompt: the speculative-answer prompt (the funnel's), or the "
-        "agent's first-turn prompt plus a direct question (shares the agent's prefix cache)",
+        "--direct-prompt", default=DIRECT_PROMPTS[0], choices=DIRECT_PROMPTS,
+        help="large_direct's prompt, as the funnel's --direct-prompt: the speculative-answer "
+        "prompt, or the agent's first-turn prompt plus a direct question (shares the agent's "
+        "prefix cache)",
     )
     sim.add_argument("--output", default="runs/simulate", help="output folder")
     sim.add_argument("--seed", type=int, default=0)

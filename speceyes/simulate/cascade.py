@@ -61,6 +61,7 @@ from speceyes.simulate.runs import (
     draw,
     simulate_one,
 )
+from speceyes.types import DIRECT_PROMPTS
 
 CASCADE = "cascade"
 SMALL_TOOL_CALL_TOKENS = 40  # a zoom call (a JSON bounding box) decoded by the small model
@@ -68,7 +69,6 @@ DIRECT_QUESTION_TOKENS = 40  # "answer directly from the image" after the agent'
 # Assumed until measured: acceptance among the queries reaching each stage.
 DEFAULT_STAGE_ACCEPT = {"small@1": 0.4, "large_direct": 0.3}
 LARGE_DIRECT = "large_direct"
-DIRECT_PROMPTS = ("speculative", "agent-prefix")
 
 
 @dataclass(frozen=True)
