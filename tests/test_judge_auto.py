@@ -82,13 +82,20 @@ def test_front_seconds_count_only_the_batchs_share_of_the_engine():
     assert pick(16 / 80) == large  # 16 judged beside 64 loops: a fifth of that
 
 
-def test_a_point_not_run_for_a_while_runs_again():
+def measured_large_and_none() -> tuple[OperatingPoint, OperatingPoint, PointChooser]:
+    """A chooser that has run both points once, with agent loops sharing the engine by 32:
+    under load none wins, alone the judge's point does."""
     large, none = (OperatingPoint(**p) for p in POINTS)
     chooser = PointChooser([large, none], shared_device=False)
     for p in (large, none):
         chooser.choose(1)
         chooser.observe_front(p, judge_s=0.6 if p is large else 0.0, small_s=0.3)
     chooser.observe_agent(6.0 / 32, 32)
+    return large, none, chooser
+
+
+def test_a_point_not_run_for_a_while_runs_again():
+    large, none, chooser = measured_large_and_none()
     picks = [chooser.choose(256) for _ in range(PointChooser.EXPLORE_EVERY + 2)]
     assert picks.count(large) == 1 and picks.count(none) == len(picks) - 1
 
@@ -96,12 +103,7 @@ def test_a_point_not_run_for_a_while_runs_again():
 def test_a_point_that_keeps_losing_is_rerun_ever_more_rarely_until_the_load_favours_it():
     """Re-runs of a losing point back off (each wait twice the last, up to EXPLORE_MAX), so
     at a steady load their cost fades; once the load favours it, the rule takes it at once."""
-    large, none = (OperatingPoint(**p) for p in POINTS)
-    chooser = PointChooser([large, none], shared_device=False)
-    for p in (large, none):
-        chooser.choose(1)
-        chooser.observe_front(p, judge_s=0.6 if p is large else 0.0, small_s=0.3)
-    chooser.observe_agent(6.0 / 32, 32)
+    large, none, chooser = measured_large_and_none()
     batches = 2000
     picks = [chooser.choose(256) for _ in range(batches)]  # under load none wins
     runs = [i for i, p in enumerate(picks) if p == large]
