@@ -132,6 +132,10 @@ class FunnelConfig:
     # ---- --judge auto: the operating points it picks among (operating_points.OperatingPoint
     # fields: judge, tau, beta, alpha, alpha_tool, judge_max_pixels), one per batch by load
     points: list[dict[str, Any]] | None = None
+    # whether the small and large engines share one device (two servers on one GPU or one
+    # CPU): --judge auto then adds their work on it. None: in-process models on the same
+    # device do; models behind URLs count as separate (a URL does not say where it runs)
+    shared_device: bool | None = None
 
     def operating_points(self) -> list[OperatingPoint]:
         """``--judge auto``'s points (ValueError when there are none or one is malformed)."""
@@ -147,11 +151,11 @@ class FunnelConfig:
         ``--judge auto``)."""
         if point.judge == AGENT_POINT:  # phases I-III skipped: the agent loop for every query
             return replace(self, mode="agent", judge=JUDGES[0], judge_max_pixels=None,
-                           points=None, speculate_depth=0, middle_tier=False,
+                           points=None, shared_device=None, speculate_depth=0, middle_tier=False,
                            direct_prompt=DIRECT_PROMPTS[0])
         tau = self.tau if point.tau is None else point.tau
         return replace(self, judge=point.judge, judge_max_pixels=point.judge_max_pixels,
-                       tau=tau, points=None)
+                       tau=tau, points=None, shared_device=None)
 
     @property
     def cascade(self) -> bool:
@@ -201,6 +205,8 @@ class FunnelConfig:
             )
         elif self.points:
             raise ValueError("operating points are for --judge auto")
+        elif self.shared_device is not None:
+            raise ValueError("--shared-device describes the engines to --judge auto's costs")
         if self.judge_max_pixels is not None:
             if self.judge not in ("large", "small"):
                 raise ValueError(
@@ -248,7 +254,7 @@ class FunnelConfig:
         """Its fields; the cascade's only where they differ from the defaults, so a two-stage
         funnel's run configuration reads (and resumes) as before the cascade existed."""
         out = asdict(self)
-        for name, default in {**CASCADE_DEFAULTS, "points": None}.items():
+        for name, default in {**CASCADE_DEFAULTS, "points": None, "shared_device": None}.items():
             if out[name] == default:
                 del out[name]
         return out
@@ -414,7 +420,10 @@ class Funnel:
         if self.config.judge == AUTO:
             points = self.config.operating_points()
             judges = {p.judge for p in points}
-            self._chooser = PointChooser(points, shared_device=_shares_device(small, large))
+            shared = self.config.shared_device
+            if shared is None:
+                shared = _shares_device(small, large)
+            self._chooser = PointChooser(points, shared_device=shared)
         self._in_agent = 0  # queries handed to phase IV and not yet done (--judge auto's load)
         if "prefix" in judges and agent is not None and not agent.shares_first_prompt:
             raise ValueError(
@@ -474,6 +483,7 @@ class Funnel:
     def _front(self, queries: Sequence[Query]) -> Batch:
         """Phases I-III of one batch as the mode's plan says; every result that needs no agent
         loop is final when this returns, and ``to_agent`` names the others."""
+        t0 = time.perf_counter()
         batch = self._open(queries)
         # the batch's own plan: under --judge auto, the agent-only point skips I-III
         plan = PLANS[batch.cfg.mode]
@@ -490,7 +500,7 @@ class Funnel:
         elif plan.agent == "rest":
             batch.to_agent = batch.still_open(everyone=False)
         if batch.point is not None:
-            self._observe_point(batch)
+            self._observe_point(batch, time.perf_counter() - t0)
         with self._stats_lock:
             self._in_agent += len(batch.to_agent)
         needs_agent = set(batch.to_agent)
@@ -890,9 +900,10 @@ class Funnel:
                 r.error = out.error
             yield self._settle(batch, i)
 
-    def _observe_point(self, batch: Batch) -> None:
-        """--judge auto: the batch's phase I and II seconds per query go to the chooser, and
-        each result records the point that answered it."""
+    def _observe_point(self, batch: Batch, front_s: float) -> None:
+        """--judge auto: the batch's phase I and II seconds per query and its wall time
+        through phase III (``front_s``, what each of its queries waited) go to the chooser,
+        and each result records the point that answered it."""
         n = max(1, len(batch.results))
         judge = sum(r.timings.get("judge", 0.0) for r in batch.results) / n
         small = sum(r.timings.get("small", 0.0) for r in batch.results) / n
@@ -902,7 +913,7 @@ class Funnel:
             beside = self._in_agent  # agent loops the engine served alongside this front
         share = len(batch.live) / (len(batch.live) + beside) if batch.live else 1.0
         self._chooser.observe_front(  # type: ignore[union-attr]
-            batch.point, judge, small, skipped, engine_share=share
+            batch.point, judge, small, skipped, engine_share=share, front_wall_s=front_s
         )
         for r in batch.results:
             r.trace.append({"type": "operating_point", "point": batch.point.name,

@@ -267,6 +267,8 @@ class PointChooser:
         self._skip = {p.name: _Mean() for p in self.points}  # share answered without the agent
         # the batch's share of the large engine while its phase I ran: n / (n + agent loops)
         self._front_share = {p.name: _Mean() for p in self.points}
+        # one query's time in phases I-III: its batch's wall time there, at that share
+        self._front_wall = {p.name: _Mean() for p in self.points}
         for p in self.points:
             self._skip[p.name].add(p.skipped)  # the calibrated rate, until measured
         self._agent = _Mean()  # one agent loop's share of the engine time of its batched turns
@@ -299,16 +301,25 @@ class PointChooser:
         small_s: float,
         skipped: float | None = None,
         engine_share: float = 1.0,
+        front_wall_s: float | None = None,
     ) -> None:
         """Phase I and II seconds per query of one batch that ran at ``point``, the share of
-        its queries answered without the agent, and the batch's share of the large engine
-        while it ran (``n / (n + agent loops running beside it)``). The seconds are wall time:
-        the engine served the agent loops in the same steps, so the batch's own work is that
-        share of them, the same accounting as an agent loop's (``observe_agent``)."""
+        its queries answered without the agent, the batch's share of the large engine while
+        it ran (``n / (n + agent loops running beside it)``), and its wall time from opening to
+        the end of phase III (``front_wall_s``). The seconds are wall time: the engine served
+        the agent loops in the same steps, so the batch's own work is that share of them, the
+        same accounting as an agent loop's (``observe_agent``).
+
+        The per-query seconds are work; the batch's wall time is what each of its queries
+        waits. They differ by the batch size: an engine whose calls cost mostly fixed overhead
+        answers a batch of 16 in about the time of one, and per-query seconds measured on that
+        batch would make the front look 16 times quicker to a lone query than it is."""
         with self._lock:
             self._judge[point.name].add(judge_s)
             self._small[point.name].add(small_s)
             self._front_share[point.name].add(engine_share)
+            if front_wall_s is not None:
+                self._front_wall[point.name].add(front_wall_s * engine_share)
             if skipped is not None:
                 self._skip[point.name].add(skipped)
 
@@ -328,8 +339,9 @@ class PointChooser:
         front_share = self._front_share[point.name].value or 1.0
         # the small engine is shared with the agent loops only where both models share one
         small_share = front_share if self.shared_device else 1.0
+        wall = self._front_wall[point.name].value
         return PointCosts(
-            front_latency=judge + small,
+            front_latency=judge + small if wall is None else wall,
             large_front=judge * front_share if on_large else 0.0,
             small_front=(small + (0.0 if on_large else judge)) * small_share,
             agent_latency=self._wall.value or agent,

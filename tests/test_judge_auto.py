@@ -82,6 +82,53 @@ def test_front_seconds_count_only_the_batchs_share_of_the_engine():
     assert pick(16 / 80) == large  # 16 judged beside 64 loops: a fifth of that
 
 
+def test_a_lone_query_waits_for_its_whole_front_batch():
+    """Per-query front seconds measured on a batch of 16 are a 16th of what a lone query
+    waits there; the batch's wall time is what R0 needs, and with it agent-only wins alone."""
+    large = OperatingPoint("large", 0.9, beta=1.0, alpha=0.5)  # half answered without the agent
+    agent = OperatingPoint(AGENT_POINT)
+
+    def pick(front_wall: float | None) -> OperatingPoint:
+        c = PointChooser([large, agent], shared_device=False)
+        for p in (large, agent):
+            c.choose(16)
+            if p is agent:
+                c.observe_front(p, judge_s=0.0, small_s=0.0, skipped=0.0, front_wall_s=0.0)
+            else:  # a batch of 16 in 1.5 s, half of it answered without the agent
+                c.observe_front(p, judge_s=1.2 / 16, small_s=0.3 / 16, skipped=0.5,
+                                front_wall_s=front_wall)  # fmt: skip
+        c.observe_agent(2.0, 1)  # a 2 s loop alone
+        return c.choose(1)
+
+    assert pick(None) == large  # 0.09 s of front for half of 2 s saved: it looked cheap
+    assert pick(1.5) == agent  # 1.5 s of front for 1 s saved: agent-only is faster alone
+
+
+def test_servers_on_one_device_add_up(models):  # noqa: F811
+    """--shared-device tells auto that the two engines' work falls on one device (two servers
+    on one GPU or CPU): a URL does not say where it runs."""
+    small, large, agent = models
+    ap = argparse.ArgumentParser()
+    add_model_args(ap)
+    add_funnel_args(ap)
+    ns = ap.parse_args(["--small", "s", "--large", "l", "--shared-device"])
+    assert Settings.from_args(ns).funnel.shared_device is True
+    assert ap.parse_args(["--small", "s", "--large", "l"]).shared_device is None
+    for shared in (True, False):
+        cfg = FunnelConfig(judge="auto", points=POINTS, shared_device=shared)
+        assert Funnel(small, large, agent, cfg)._chooser.shared_device is shared
+    # unset: the in-process models' own devices decide (the bundled ones share the CPU)
+    assert small.device == large.device == "cpu"
+    f = Funnel(small, large, agent, FunnelConfig(judge="auto", points=POINTS))
+    assert f._chooser.shared_device is True
+    with pytest.raises(ValueError, match="--shared-device"):
+        FunnelConfig(judge="large", shared_device=True).validate()
+    assert "shared_device" not in FunnelConfig().to_dict()  # runs without it log as before
+    at = FunnelConfig(judge="auto", points=POINTS, shared_device=True).at_point(
+        OperatingPoint("large", 0.9))
+    at.validate()  # a batch's own configuration is a static judge's
+
+
 def measured_large_and_none() -> tuple[OperatingPoint, OperatingPoint, PointChooser]:
     """A chooser that has run both points once, with agent loops sharing the engine by 32:
     under load none wins, alone the judge's point does."""
