@@ -10,9 +10,8 @@ clients at concurrency C send the same mini-world test questions to every mode:
 - ``agent-only``: every query through the large model's search loop;
 - ``speceyes/<judge>``: the funnel with that judge variant (``large`` is the published one);
 - with ``--points FILE`` (``speceyes calibrate --operating-points``): ``speceyes/auto``, the
-  load-aware choice among the file's points (told that both servers share the CPU, as
-  ``--shared-device`` tells it), and every static variant the file calibrated runs at its own
-  calibrated tau and the file's gate, as auto's points do.
+  load-aware choice among the file's points, and every static variant the file calibrated runs
+  at its own calibrated tau and the file's gate, as auto's points do.
 
 Modes are interleaved in time: for each C, ``--rounds`` rounds, and in each round every mode
 serves one batch of requests in turn (the order rotates by round), so load from other processes
@@ -168,8 +167,6 @@ def settings_for(
     changes: dict[str, Any] = {"mode": mode.mode, "schedule": "pipelined"}
     if mode.judge is not None:
         changes["judge"] = mode.judge
-    if mode.judge == AUTO:  # both servers share this machine's CPU (--shared-device)
-        changes["shared_device"] = True
     return s.with_funnel(**changes)
 
 

@@ -163,7 +163,6 @@ class Settings:
             middle_tier=bool(arg("middle_tier", f.middle_tier)),
             direct_prompt=arg("direct_prompt", f.direct_prompt),
             small_agent=arg("small_agent"),
-            shared_device=arg("shared_device"),
         )
         b = BackendSettings
         settings = cls(

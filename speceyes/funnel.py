@@ -53,9 +53,9 @@ latency behind the judge when the two models live on different devices or server
   image once for both.
 - ``none``: no judge; the small model answers every query and the gate alone decides.
 - ``auto``: per batch, one of the configured operating points (a variant with its own tau),
-  the one with the highest expected throughput at the load then
-  (:class:`speceyes.operating_points.PointChooser`); every step of the batch reads that
-  point's configuration (``Batch.cfg``).
+  the one whose queries spent least time in the funnel at the load then (by Little's law, the
+  one serving the most; :class:`speceyes.operating_points.PointChooser`); every step of the
+  batch reads that point's configuration (``Batch.cfg``).
 """
 
 from __future__ import annotations
@@ -132,10 +132,6 @@ class FunnelConfig:
     # ---- --judge auto: the operating points it picks among (operating_points.OperatingPoint
     # fields: judge, tau, beta, alpha, alpha_tool, judge_max_pixels), one per batch by load
     points: list[dict[str, Any]] | None = None
-    # whether the small and large engines share one device (two servers on one GPU or one
-    # CPU): --judge auto then adds their work on it. None: in-process models on the same
-    # device do; models behind URLs count as separate (a URL does not say where it runs)
-    shared_device: bool | None = None
 
     def operating_points(self) -> list[OperatingPoint]:
         """``--judge auto``'s points (ValueError when there are none or one is malformed)."""
@@ -151,11 +147,11 @@ class FunnelConfig:
         ``--judge auto``)."""
         if point.judge == AGENT_POINT:  # phases I-III skipped: the agent loop for every query
             return replace(self, mode="agent", judge=JUDGES[0], judge_max_pixels=None,
-                           points=None, shared_device=None, speculate_depth=0, middle_tier=False,
+                           points=None, speculate_depth=0, middle_tier=False,
                            direct_prompt=DIRECT_PROMPTS[0])
         tau = self.tau if point.tau is None else point.tau
         return replace(self, judge=point.judge, judge_max_pixels=point.judge_max_pixels,
-                       tau=tau, points=None, shared_device=None)
+                       tau=tau, points=None)
 
     @property
     def cascade(self) -> bool:
@@ -205,8 +201,6 @@ class FunnelConfig:
             )
         elif self.points:
             raise ValueError("operating points are for --judge auto")
-        elif self.shared_device is not None:
-            raise ValueError("--shared-device describes the engines to --judge auto's costs")
         if self.judge_max_pixels is not None:
             if self.judge not in ("large", "small"):
                 raise ValueError(
@@ -254,7 +248,7 @@ class FunnelConfig:
         """Its fields; the cascade's only where they differ from the defaults, so a two-stage
         funnel's run configuration reads (and resumes) as before the cascade existed."""
         out = asdict(self)
-        for name, default in {**CASCADE_DEFAULTS, "points": None, "shared_device": None}.items():
+        for name, default in {**CASCADE_DEFAULTS, "points": None}.items():
             if out[name] == default:
                 del out[name]
         return out
@@ -373,6 +367,8 @@ class Batch:
     # the configuration its steps read: the funnel's, or its operating point's (--judge auto)
     cfg: FunnelConfig = field(default_factory=FunnelConfig)
     point: OperatingPoint | None = None
+    opened: float = 0.0  # perf_counter() when it opened: each query's time in the funnel starts
+    in_flight: int = 0  # --judge auto: the queries in flight when its point was chosen
 
     def tau(self, stage: str, i: int) -> float:
         """Query ``i``'s threshold at ``stage`` (its category's, where one is calibrated)."""
@@ -420,10 +416,7 @@ class Funnel:
         if self.config.judge == AUTO:
             points = self.config.operating_points()
             judges = {p.judge for p in points}
-            shared = self.config.shared_device
-            if shared is None:
-                shared = _shares_device(small, large)
-            self._chooser = PointChooser(points, shared_device=shared)
+            self._chooser = PointChooser(points)
         self._in_agent = 0  # queries handed to phase IV and not yet done (--judge auto's load)
         if "prefix" in judges and agent is not None and not agent.shares_first_prompt:
             raise ValueError(
@@ -483,7 +476,6 @@ class Funnel:
     def _front(self, queries: Sequence[Query]) -> Batch:
         """Phases I-III of one batch as the mode's plan says; every result that needs no agent
         loop is final when this returns, and ``to_agent`` names the others."""
-        t0 = time.perf_counter()
         batch = self._open(queries)
         # the batch's own plan: under --judge auto, the agent-only point skips I-III
         plan = PLANS[batch.cfg.mode]
@@ -500,7 +492,7 @@ class Funnel:
         elif plan.agent == "rest":
             batch.to_agent = batch.still_open(everyone=False)
         if batch.point is not None:
-            self._observe_point(batch, time.perf_counter() - t0)
+            self._observe_point(batch)
         with self._stats_lock:
             self._in_agent += len(batch.to_agent)
         needs_agent = set(batch.to_agent)
@@ -531,11 +523,11 @@ class Funnel:
         """A batch's state with every image loaded; a query whose image cannot be read fails
         here, alone."""
         batch = Batch(results=[Result(id=q.id, answer="") for q in queries], live={},
-                      cfg=self.config)
+                      cfg=self.config, opened=time.perf_counter())
         if self._chooser is not None:  # --judge auto: this batch's point, by the load now
             with self._stats_lock:
-                in_flight = len(queries) + self._in_agent
-            batch.point = self._chooser.choose(in_flight)
+                batch.in_flight = len(queries) + self._in_agent
+            batch.point = self._chooser.choose(batch.in_flight)
             batch.cfg = self.config.at_point(batch.point)
         unreadable = 0
         for i, q in enumerate(queries):
@@ -886,10 +878,7 @@ class Funnel:
         (``agents.base.drive_loops``); yields each query's final result as its loop ends."""
         for (batch, i), out, seconds in drive_loops(self.agent, take, max_active):
             with self._stats_lock:
-                running = self._in_agent
                 self._in_agent -= 1
-            if self._chooser is not None:
-                self._chooser.observe_agent(seconds, running)
             r = batch.results[i]
             r.agent_answer = out.answer
             r.tool_calls = out.tool_calls
@@ -900,21 +889,9 @@ class Funnel:
                 r.error = out.error
             yield self._settle(batch, i)
 
-    def _observe_point(self, batch: Batch, front_s: float) -> None:
-        """--judge auto: the batch's phase I and II seconds per query and its wall time
-        through phase III (``front_s``, what each of its queries waited) go to the chooser,
-        and each result records the point that answered it."""
-        n = max(1, len(batch.results))
-        judge = sum(r.timings.get("judge", 0.0) for r in batch.results) / n
-        small = sum(r.timings.get("small", 0.0) for r in batch.results) / n
-        answered = len(batch.live) - len(batch.to_agent)  # by the small model or a stage
-        skipped = answered / len(batch.live) if batch.live else None
-        with self._stats_lock:
-            beside = self._in_agent  # agent loops the engine served alongside this front
-        share = len(batch.live) / (len(batch.live) + beside) if batch.live else 1.0
-        self._chooser.observe_front(  # type: ignore[union-attr]
-            batch.point, judge, small, skipped, engine_share=share, front_wall_s=front_s
-        )
+    def _observe_point(self, batch: Batch) -> None:
+        """--judge auto: each result records the point that answered it (the chooser hears
+        each query's time in the funnel when it settles)."""
         for r in batch.results:
             r.trace.append({"type": "operating_point", "point": batch.point.name,
                             "judge": batch.point.judge, "tau": batch.cfg.tau})
@@ -929,6 +906,10 @@ class Funnel:
         failed, accepted = i not in batch.live, i in batch.accepted
         r.route = route_of(batch.cfg.mode, r, failed=failed, accepted=accepted)
         r.answer = _answer_of(r)
+        if self._chooser is not None and batch.point is not None and not failed:
+            seconds = time.perf_counter() - batch.opened
+            early = i not in batch.to_agent  # answered without the agent loop
+            self._chooser.observe(batch.point, batch.in_flight, seconds, early=early)
         if r.stages:
             self._count_stages(r)
         return r
@@ -1055,13 +1036,6 @@ class Funnel:
 
 def _add_time(result: Result, key: str, seconds: float) -> None:
     result.timings[key] = result.timings.get(key, 0.0) + seconds
-
-
-def _shares_device(small: Backend | None, large: Backend | None) -> bool:
-    """Whether both models run on one device (one process's device, the same for both): then
-    their work adds up on it. Models behind URLs declare none and count as separate."""
-    a, b = getattr(small, "device", None), getattr(large, "device", None)
-    return a is not None and str(a) == str(b)
 
 
 def _user_turn(text: str) -> dict:

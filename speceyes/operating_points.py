@@ -14,7 +14,9 @@ puts both in one number: with N queries in flight, throughput is at most ``N / R
 query's time alone) and at most ``1 / D`` (D: the busiest device's seconds of work per query),
 the asymptotic bounds of operational analysis (Denning and Buzen, ACM Computing Surveys 10(3),
 1978); mean value analysis of the engines as queueing devices gives the curve between them.
-:func:`choose` takes the point with the highest estimate; the simulator and the funnel share it.
+:func:`choose` takes the point with the highest estimate; the simulator, whose costs are known,
+uses it. The funnel (:class:`PointChooser`) measures instead what the estimate stands for: the
+time its queries spend in the system at each point and load.
 """
 
 from __future__ import annotations
@@ -225,126 +227,151 @@ def write_points(path: str | Path, points: Sequence[OperatingPoint], **extra: An
     return p
 
 
-# --- in the funnel: costs measured as it runs --------------------------------------------------
+# --- in the funnel: the point whose queries wait least at this load -------------------------
 
 
-class _Mean:
-    """A running mean over the last observations (an exponential moving average: costs drift
-    with load, and the funnel should follow them)."""
+def load_level(in_flight: int) -> int:
+    """The load band of ``in_flight`` queries: bands centred on the powers of 4, a factor of 4
+    wide (1 | 2-7 | 8-31 | 32-127 | ...), so a steady load of 1, 4, 16 or 64 clients stays
+    inside one band while the count in flight jitters around it."""
+    if in_flight < 1:
+        raise ValueError("in_flight must be >= 1")
+    return int(math.floor(math.log2(in_flight) / 2 + 0.5))
 
-    WEIGHT = 0.2  # the newest observation's share
+
+class _Recent:
+    """A mean of the recent observations, each older one weighing ``DECAY`` times the next
+    (bias-corrected, so the first observation is the mean): latency drifts with the mix of
+    queries and the machine's load, and the funnel should follow it."""
+
+    DECAY = 0.97  # per query: about the last 33 queries count
 
     def __init__(self) -> None:
-        self.value: float | None = None
+        self._num = 0.0
+        self._den = 0.0
 
     def add(self, x: float) -> None:
-        self.value = x if self.value is None else self.value + self.WEIGHT * (x - self.value)
+        self._num = self.DECAY * self._num + x
+        self._den = self.DECAY * self._den + 1.0
+
+    @property
+    def value(self) -> float | None:
+        return self._num / self._den if self._den else None
 
 
 class PointChooser:
-    """``--judge auto`` in the funnel: the operating point for the next batch, from the costs
-    the funnel measured so far. Each point runs one batch first, so its costs are measured, not
-    assumed; then :func:`choose` decides with the queries in flight. The share each point
-    answers without the agent is measured too (starting from its calibrated rate): a threshold
-    calibrated on other queries may accept more or less of these. A point not run for
-    ``EXPLORE_EVERY`` batches runs one batch again, so an estimate made under another load, or
-    on a few queries, is renewed. Each re-run that the rule then does not follow doubles that
-    point's wait (up to ``EXPLORE_MAX``), and the rule choosing it resets the wait: a point that
-    keeps losing costs a number of batches that grows with the log of the run's length, not with
-    its length, while a change of load that favours it is still found. Thread-safe (the
-    pipelined schedule observes agent loops from another thread)."""
+    """``--judge auto`` in the funnel: the operating point for the next batch, by the time its
+    queries spend in the funnel at this load.
+
+    With N queries in flight, throughput is N over the mean time a query spends in the system
+    (Little's law, J. D. C. Little, Operations Research 9(3), 1961), so at a given load the
+    point whose queries finish soonest serves the most. That time is measured, per point and
+    per load band (:func:`load_level`), from each query's batch opening to its final answer: it
+    holds the front's cost and the agent loops' queueing as this engine really has them, which
+    a cost model would have to estimate (on two CPU servers an earlier rule, built from
+    per-phase seconds, misjudged a prefill-heavy judge against decode steps). The analytic
+    rule, :func:`choose`, serves the simulator, whose costs are known.
+
+    A batch's mean time depends mostly on its queries (one that needs the agent takes many
+    times longer than one answered at once), not on its point; compared batch by batch, points
+    would be ranked by their batches' luck. So the time is kept apart by route: the mean time of
+    the queries answered without the agent, of those the agent answered, and the share answered
+    without it, counted over every band (a property of the threshold and the queries, not of
+    load) and starting from the point's calibrated rate, worth ``PRIOR_QUERIES`` queries. The
+    expected time is ``s * early + (1 - s) * agent``.
+
+    Each point runs one batch first in each load band it meets; then the rule takes the point
+    with the least expected time. A point not run for ``EXPLORE_EVERY`` batches runs one batch
+    again, so a time measured under another mix is renewed. Each re-run that the rule then does
+    not follow doubles that point's wait (up to ``EXPLORE_MAX``), and the rule choosing it resets
+    the wait: a point that keeps losing costs a number of batches that grows with the log of the
+    run's length, not with its length. Thread-safe (agent loops end on another thread under the
+    pipelined schedule)."""
 
     EXPLORE_EVERY = 24  # batches after which a point not run since runs one batch again
     EXPLORE_MAX = 16 * EXPLORE_EVERY  # the longest wait a losing point's re-runs back off to
+    PRIOR_QUERIES = 64  # the calibrated share answered without the agent counts as this many
 
-    def __init__(self, points: Sequence[OperatingPoint], shared_device: bool) -> None:
+    def __init__(self, points: Sequence[OperatingPoint]) -> None:
         if not points:
             raise ValueError("--judge auto needs at least one operating point")
         self.points = list(points)
-        self.shared_device = shared_device
-        self._judge = {p.name: _Mean() for p in self.points}  # seconds per query, phase I
-        self._small = {p.name: _Mean() for p in self.points}  # seconds per query, phase II
-        self._skip = {p.name: _Mean() for p in self.points}  # share answered without the agent
-        # the batch's share of the large engine while its phase I ran: n / (n + agent loops)
-        self._front_share = {p.name: _Mean() for p in self.points}
-        # one query's time in phases I-III: its batch's wall time there, at that share
-        self._front_wall = {p.name: _Mean() for p in self.points}
-        for p in self.points:
-            self._skip[p.name].add(p.skipped)  # the calibrated rate, until measured
-        self._agent = _Mean()  # one agent loop's share of the engine time of its batched turns
-        self._wall = _Mean()  # one agent loop's wall time: that share times the loops sharing
+        # (point, band, answered without the agent): recent seconds per query
+        self._time: dict[tuple[str, int, bool], _Recent] = {}
+        self._early = {p.name: 0 for p in self.points}  # queries answered without the agent
+        self._seen = {p.name: 0 for p in self.points}  # queries answered
+        self._tried: set[tuple[str, int]] = set()  # (point, band) pairs given a batch
         self._batches = 0  # batches chosen so far
         self._last = {p.name: -1 for p in self.points}  # the batch each point last ran
         self._wait = {p.name: self.EXPLORE_EVERY for p in self.points}  # batches before a re-run
         self._lock = threading.Lock()
 
     def choose(self, in_flight: int) -> OperatingPoint:
+        band = load_level(max(1, in_flight))
         with self._lock:
             self._batches += 1
-            stale = [p for p in self.points if self._judge[p.name].value is None] or [
-                p for p in self.points if self._batches - self._last[p.name] > self._wait[p.name]
-            ]
-            if stale:
+            untried = [p for p in self.points if (p.name, band) not in self._tried]
+            times = {p.name: self._expected(p, band) for p in self.points}
+            measured = [p for p in self.points if times[p.name] is not None]
+            stale = [p for p in measured if self._batches - self._last[p.name] > self._wait[p.name]]
+            if untried:
+                picked = untried[0]
+            elif stale:
                 picked = min(stale, key=lambda p: self._last[p.name])
-                if self._last[picked.name] >= 0:  # a re-run: the next one waits twice as long
-                    self._wait[picked.name] = min(2 * self._wait[picked.name], self.EXPLORE_MAX)
-            else:
-                picked = choose(self.points, self._costs, max(1, in_flight), self.shared_device)
+                self._wait[picked.name] = min(2 * self._wait[picked.name], self.EXPLORE_MAX)
+            elif measured:
+                picked = min(measured, key=lambda p: times[p.name] or 0.0)
                 self._wait[picked.name] = self.EXPLORE_EVERY  # the rule wants it: renew it often
+            else:  # every point is on its way, none has finished a query yet
+                picked = max(self.points, key=lambda p: self._last[p.name])
+            self._tried.add((picked.name, band))
             self._last[picked.name] = self._batches
             return picked
 
-    def observe_front(
-        self,
-        point: OperatingPoint,
-        judge_s: float,
-        small_s: float,
-        skipped: float | None = None,
-        engine_share: float = 1.0,
-        front_wall_s: float | None = None,
+    def observe(
+        self, point: OperatingPoint, in_flight: int, seconds: float, early: bool = False
     ) -> None:
-        """Phase I and II seconds per query of one batch that ran at ``point``, the share of
-        its queries answered without the agent, the batch's share of the large engine while
-        it ran (``n / (n + agent loops running beside it)``), and its wall time from opening to
-        the end of phase III (``front_wall_s``). The seconds are wall time: the engine served
-        the agent loops in the same steps, so the batch's own work is that share of them, the
-        same accounting as an agent loop's (``observe_agent``).
-
-        The per-query seconds are work; the batch's wall time is what each of its queries
-        waits. They differ by the batch size: an engine whose calls cost mostly fixed overhead
-        answers a batch of 16 in about the time of one, and per-query seconds measured on that
-        batch would make the front look 16 times quicker to a lone query than it is."""
+        """One query's ``seconds`` from its batch's opening to its final answer, at the point
+        and the load (``in_flight`` when its batch was chosen) that answered it; ``early``:
+        answered without the agent loop."""
+        band = load_level(max(1, in_flight))
         with self._lock:
-            self._judge[point.name].add(judge_s)
-            self._small[point.name].add(small_s)
-            self._front_share[point.name].add(engine_share)
-            if front_wall_s is not None:
-                self._front_wall[point.name].add(front_wall_s * engine_share)
-            if skipped is not None:
-                self._skip[point.name].add(skipped)
+            self._time.setdefault((point.name, band, early), _Recent()).add(seconds)
+            self._seen[point.name] += 1
+            self._early[point.name] += int(early)
 
-    def observe_agent(self, seconds: float, loops_running: int) -> None:
-        """One agent loop's ``seconds``: its share of the wall time of the batched turns it
-        took part in (``agents.base.drive_loops``), that is its engine time, with
-        ``loops_running`` loops sharing the engine; its wall time is about that many shares."""
+    def skipped(self, point: OperatingPoint) -> float:
+        """The share of ``point``'s queries answered without the agent: measured, starting from
+        its calibrated rate."""
+        prior = self.PRIOR_QUERIES * point.skipped
+        return (prior + self._early[point.name]) / (self.PRIOR_QUERIES + self._seen[point.name])
+
+    def seconds(self, point: OperatingPoint, band: int) -> float | None:
+        """The expected time in the funnel of ``point``'s queries in load band ``band`` (None
+        before one has finished there)."""
         with self._lock:
-            self._agent.add(seconds)
-            self._wall.add(seconds * max(1, loops_running))
+            return self._expected(point, band)
 
-    def _costs(self, point: OperatingPoint, in_flight: int) -> PointCosts:
-        judge = self._judge[point.name].value or 0.0
-        small = self._small[point.name].value or 0.0
-        on_large = point.judge in ("large", "prefix")
-        agent = self._agent.value or 0.0
-        front_share = self._front_share[point.name].value or 1.0
-        # the small engine is shared with the agent loops only where both models share one
-        small_share = front_share if self.shared_device else 1.0
-        wall = self._front_wall[point.name].value
-        return PointCosts(
-            front_latency=judge + small if wall is None else wall,
-            large_front=judge * front_share if on_large else 0.0,
-            small_front=(small + (0.0 if on_large else judge)) * small_share,
-            agent_latency=self._wall.value or agent,
-            agent_demand=agent,  # already a share: the loop's engine time
-            skipped=self._skip[point.name].value,
+    def _expected(self, point: OperatingPoint, band: int) -> float | None:
+        own = [self._route_time(point.name, band, e) for e in (True, False)]
+        if own == [None, None]:
+            return None
+        # a route this point has not finished a query on yet: the band's time on it (after one
+        # lucky query the point would otherwise look as quick as its quickest answer)
+        t_early, t_agent = (
+            t if t is not None else self._band_time(band, e)
+            for t, e in zip(own, (True, False), strict=True)
         )
+        if t_early is None or t_agent is None:
+            return t_early if t_agent is None else t_agent
+        s = self.skipped(point)
+        return s * t_early + (1.0 - s) * t_agent
+
+    def _route_time(self, name: str, band: int, early: bool) -> float | None:
+        t = self._time.get((name, band, early))
+        return None if t is None else t.value
+
+    def _band_time(self, band: int, early: bool) -> float | None:
+        """The mean over the points of their time on one route in ``band``."""
+        ts = [t for p in self.points if (t := self._route_time(p.name, band, early)) is not None]
+        return sum(ts) / len(ts) if ts else None

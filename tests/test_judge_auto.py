@@ -13,7 +13,7 @@ from speceyes.cli.options import add_funnel_args, add_model_args
 from speceyes.factory import Settings
 from speceyes.funnel import Funnel, FunnelConfig
 from speceyes.miniworld.splits import level_defaults, make_split
-from speceyes.operating_points import AGENT_POINT, OperatingPoint, PointChooser
+from speceyes.operating_points import AGENT_POINT, OperatingPoint, PointChooser, load_level
 from tests.test_cascade_funnel import models  # noqa: F401, F811  the bundled models, one zoom
 
 POINTS = [
@@ -22,122 +22,106 @@ POINTS = [
 ]
 
 
-def test_the_chooser_tries_each_point_then_follows_the_load():
-    large, none = (OperatingPoint(**p) for p in POINTS)
-    chooser = PointChooser([large, none], shared_device=False)
-    assert chooser.choose(1) == large  # untried: run it to measure it
-    chooser.observe_front(large, judge_s=0.6, small_s=0.3)
-    assert chooser.choose(1) == none
-    chooser.observe_front(none, judge_s=0.0, small_s=0.3)
-    # An agent loop of 6 s, sharing the engine with 31 others: its share of the engine is a
-    # 32nd of that (drive_loops reports the share), while the judge's prefill is not shared.
-    chooser.observe_agent(6.0 / 32, 32)
-    # alone, the judge sends more queries past the agent (latency); under load its
-    # prefill is large-model work that the none point does not spend
-    assert chooser.choose(1) == large
-    assert chooser.choose(256) == none
+def serve(chooser: PointChooser, in_flight: int, seconds: dict[str, float], n: int = 4) -> str:
+    """One batch: the chooser picks, and each of its ``n`` queries takes the point's time."""
+    p = chooser.choose(in_flight)
+    for _ in range(n):
+        chooser.observe(p, in_flight, seconds[p.name])
+    return p.name
 
 
-def test_the_chooser_learns_what_each_point_skips_and_when_to_skip_the_front():
-    """A point whose tau accepts less than calibrated loses to the one that delivers; and
-    where the front costs more than the loops it saves, the agent-only point wins."""
+def test_the_chooser_tries_each_point_then_takes_the_one_whose_queries_wait_least():
+    """By Little's law, with N in flight the point whose queries leave soonest serves most."""
     large, none = (OperatingPoint(**p) for p in POINTS)
     agent = OperatingPoint(AGENT_POINT)
-    chooser = PointChooser([large, none, agent], shared_device=False)
-    for p, judge in ((large, 0.05), (none, 0.0), (agent, 0.0)):
-        assert chooser.choose(16) == p
-        chooser.observe_front(p, judge_s=judge, small_s=0.0 if p is agent else 0.1,
-                              skipped=0.0 if p is agent else 0.7)  # fmt: skip
-    chooser.observe_agent(6.0 / 16, 16)
-    assert chooser.choose(64) == none  # both skip 70%: none spends no judge
-    for _ in range(20):  # none's tau turns out to accept only 10% of these queries
-        chooser.observe_front(none, judge_s=0.0, small_s=0.1, skipped=0.1)
-    assert chooser.choose(64) == large
-    # a front that saves nothing: agent-only serves more
-    slow = PointChooser([large, agent], shared_device=False)
-    for p in (large, agent):
-        slow.choose(16)
-        slow.observe_front(p, judge_s=0.0 if p is agent else 1.0, small_s=0.0, skipped=0.0)
-    slow.observe_agent(6.0 / 16, 16)
-    assert slow.choose(16) == agent
+    chooser = PointChooser([large, none, agent])
+    times = {"large": 2.0, "none": 1.5, "agent": 3.0}
+    picks = [serve(chooser, 16, times) for _ in range(6)]
+    assert picks == ["large", "none", "agent", "none", "none", "none"]  # each once, then the best
+    assert chooser.seconds(none, load_level(16)) == pytest.approx(1.5)
 
 
-def test_front_seconds_count_only_the_batchs_share_of_the_engine():
-    """A judge batch's wall time under load includes the agent loops the engine served in the
-    same steps; counted whole, it would make the front look dearer than it is."""
-    large, agent = OperatingPoint(**POINTS[0]), OperatingPoint(AGENT_POINT)
-
-    def pick(share: float) -> OperatingPoint:
-        c = PointChooser([large, agent], shared_device=False)
-        for p in (large, agent):
-            c.choose(64)
-            if p is agent:
-                c.observe_front(p, judge_s=0.0, small_s=0.0, skipped=0.0)
-            else:
-                c.observe_front(p, judge_s=0.5, small_s=0.1, skipped=0.7, engine_share=share)
-        c.observe_agent(6.0 / 32, 32)  # 6 s of wall, one 32nd of the engine
-        return c.choose(64)
-
-    assert pick(1.0) == agent  # 0.5 s of the engine per judged query: dearer than it saves
-    assert pick(16 / 80) == large  # 16 judged beside 64 loops: a fifth of that
+def test_each_load_band_is_measured_on_its_own():
+    """Alone, the judge's point may be quicker; under load, none's: a time measured at one
+    load says nothing of another, so each band tries each point before trusting times."""
+    large, none = (OperatingPoint(**p) for p in POINTS)
+    chooser = PointChooser([large, none])
+    loaded, alone = {"large": 8.0, "none": 5.0}, {"large": 1.0, "none": 1.4}
+    assert [serve(chooser, 64, loaded) for _ in range(3)] == ["large", "none", "none"]
+    assert [serve(chooser, 1, alone) for _ in range(3)] == ["large", "none", "large"]
+    assert serve(chooser, 64, loaded) == "none"  # back under load: its own band's times
+    assert serve(chooser, 60, loaded) == "none"  # 60 in flight is 64's band: no new trial
+    assert [load_level(n) for n in (1, 2, 4, 7, 8, 16, 31, 32, 64, 127, 128)] == [
+        0, 1, 1, 1, 2, 2, 2, 3, 3, 3, 4]  # fmt: skip
 
 
-def test_a_lone_query_waits_for_its_whole_front_batch():
-    """Per-query front seconds measured on a batch of 16 are a 16th of what a lone query
-    waits there; the batch's wall time is what R0 needs, and with it agent-only wins alone."""
-    large = OperatingPoint("large", 0.9, beta=1.0, alpha=0.5)  # half answered without the agent
-    agent = OperatingPoint(AGENT_POINT)
-
-    def pick(front_wall: float | None) -> OperatingPoint:
-        c = PointChooser([large, agent], shared_device=False)
-        for p in (large, agent):
-            c.choose(16)
-            if p is agent:
-                c.observe_front(p, judge_s=0.0, small_s=0.0, skipped=0.0, front_wall_s=0.0)
-            else:  # a batch of 16 in 1.5 s, half of it answered without the agent
-                c.observe_front(p, judge_s=1.2 / 16, small_s=0.3 / 16, skipped=0.5,
-                                front_wall_s=front_wall)  # fmt: skip
-        c.observe_agent(2.0, 1)  # a 2 s loop alone
-        return c.choose(1)
-
-    assert pick(None) == large  # 0.09 s of front for half of 2 s saved: it looked cheap
-    assert pick(1.5) == agent  # 1.5 s of front for 1 s saved: agent-only is faster alone
+def test_a_point_whose_queries_start_waiting_longer_loses_the_lead():
+    large, none = (OperatingPoint(**p) for p in POINTS)
+    chooser = PointChooser([large, none])
+    times = {"large": 2.0, "none": 1.5}
+    for _ in range(3):
+        serve(chooser, 16, times)
+    times["none"] = 4.0  # none's tau turns out to accept few of these queries
+    picks = [serve(chooser, 16, times) for _ in range(20)]
+    assert picks[-1] == "large" and picks.count("none") < 10
 
 
-def test_servers_on_one_device_add_up(models):  # noqa: F811
-    """--shared-device tells auto that the two engines' work falls on one device (two servers
-    on one GPU or CPU): a URL does not say where it runs."""
-    small, large, agent = models
-    ap = argparse.ArgumentParser()
-    add_model_args(ap)
-    add_funnel_args(ap)
-    ns = ap.parse_args(["--small", "s", "--large", "l", "--shared-device"])
-    assert Settings.from_args(ns).funnel.shared_device is True
-    assert ap.parse_args(["--small", "s", "--large", "l"]).shared_device is None
-    for shared in (True, False):
-        cfg = FunnelConfig(judge="auto", points=POINTS, shared_device=shared)
-        assert Funnel(small, large, agent, cfg)._chooser.shared_device is shared
-    # unset: the in-process models' own devices decide (the bundled ones share the CPU)
-    assert small.device == large.device == "cpu"
-    f = Funnel(small, large, agent, FunnelConfig(judge="auto", points=POINTS))
-    assert f._chooser.shared_device is True
-    with pytest.raises(ValueError, match="--shared-device"):
-        FunnelConfig(judge="large", shared_device=True).validate()
-    assert "shared_device" not in FunnelConfig().to_dict()  # runs without it log as before
-    at = FunnelConfig(judge="auto", points=POINTS, shared_device=True).at_point(
-        OperatingPoint("large", 0.9))
-    at.validate()  # a batch's own configuration is a static judge's
+def test_times_are_compared_route_by_route_not_by_the_luck_of_a_batch():
+    """A batch's mean time is mostly its queries' (one the agent answers takes many times
+    longer): each point's time is kept per route and weighed by its share answered early."""
+    a = OperatingPoint("large", 0.9, beta=1.0, alpha=0.5)
+    b = OperatingPoint("none", 0.9, beta=1.0, alpha=0.5)
+    chooser = PointChooser([a, b])
+    chooser.choose(16)  # a's batch: 7 of 8 answered early, but each route slower than b's
+    for k in range(8):
+        chooser.observe(a, 16, 1.2 if k else 12.0, early=bool(k))
+    chooser.choose(16)  # b's batch: 1 of 8 answered early
+    for k in range(8):
+        chooser.observe(b, 16, 1.0 if k == 0 else 10.0, early=k == 0)
+    assert chooser.choose(16) == b  # by batch means a (2.55 s) would beat b (8.9 s)
+    # the share answered early starts at the calibrated rate and follows what is measured
+    assert chooser.skipped(a) == pytest.approx((64 * 0.5 + 7) / (64 + 8))
+    fresh = PointChooser([a])
+    assert fresh.skipped(a) == 0.5
+    for _ in range(1000):
+        fresh.observe(a, 16, 1.0, early=False)
+    assert fresh.skipped(a) < 0.05
+
+
+def test_a_route_not_yet_seen_takes_the_bands_time_on_it():
+    """After one query answered at once, a point is not as quick as that query: the agent
+    route takes the band's time until its own queries come back from the agent."""
+    a = OperatingPoint("large", 0.9, beta=1.0, alpha=0.5)
+    b = OperatingPoint("none", 0.9, beta=1.0, alpha=0.5)
+    chooser = PointChooser([a, b])
+    chooser.choose(1)
+    chooser.observe(a, 1, 0.5, early=True)  # a's one query: answered at once
+    chooser.choose(1)
+    chooser.observe(b, 1, 0.4, early=True)
+    chooser.observe(b, 1, 6.0, early=False)
+    s = chooser.skipped(a)  # 33 of 65 with the prior
+    assert chooser.seconds(a, 0) == pytest.approx(s * 0.5 + (1 - s) * 6.0)
+    assert chooser.choose(1) == b  # 0.45 s early beats 0.5, at the same agent time
+
+
+def test_a_batch_still_under_way_does_not_stall_the_choice():
+    """Before any query has finished, the chooser keeps to the latest point it ran."""
+    large, none = (OperatingPoint(**p) for p in POINTS)
+    chooser = PointChooser([large, none])
+    assert [chooser.choose(16) for _ in range(4)] == [large, none, none, none]
+    chooser.observe(large, 16, 1.0)  # large's first queries come back
+    assert chooser.choose(16) == large
 
 
 def measured_large_and_none() -> tuple[OperatingPoint, OperatingPoint, PointChooser]:
-    """A chooser that has run both points once, with agent loops sharing the engine by 32:
-    under load none wins, alone the judge's point does."""
+    """A chooser that has run both points once at 256 in flight, and alone: under load none
+    wins, alone the judge's point does."""
     large, none = (OperatingPoint(**p) for p in POINTS)
-    chooser = PointChooser([large, none], shared_device=False)
-    for p in (large, none):
-        chooser.choose(1)
-        chooser.observe_front(p, judge_s=0.6 if p is large else 0.0, small_s=0.3)
-    chooser.observe_agent(6.0 / 32, 32)
+    chooser = PointChooser([large, none])
+    for in_flight, times in ((1, {"large": 1.0, "none": 1.4}), (256, {"large": 8.0, "none": 5.0})):
+        for p in (large, none):
+            assert chooser.choose(in_flight) == p
+            chooser.observe(p, in_flight, times[p.name])
     return large, none, chooser
 
 
@@ -154,7 +138,7 @@ def test_a_point_that_keeps_losing_is_rerun_ever_more_rarely_until_the_load_favo
     batches = 2000
     picks = [chooser.choose(256) for _ in range(batches)]  # under load none wins
     runs = [i for i, p in enumerate(picks) if p == large]
-    gaps = [b - a for a, b in zip([-1, *runs], runs, strict=False)]  # batch 0 here is batch 3
+    gaps = [b - a for a, b in zip([-1, *runs], runs, strict=False)]
     every, most = PointChooser.EXPLORE_EVERY, PointChooser.EXPLORE_MAX
     waits = [min(every * 2**k, most) for k in range(len(gaps))]
     assert gaps[1:] == [w + 1 for w in waits[1:]]

@@ -157,12 +157,6 @@ class HFBackend:
         self._lock = threading.Lock()
 
     # ---- geometry -------------------------------------------------------------------------
-    @property
-    def device(self) -> str:
-        """Where the model runs (``cpu``, ``cuda:0``): two models on one device share its time,
-        which ``--judge auto``'s cost model adds up (``funnel._shares_device``)."""
-        return str(self.model.device)
-
     def view_of(self, image: Any) -> View:
         img = load_image(image, copy=False)
         return view_for_model(img, self.factor, self.min_pixels, self.max_pixels)

@@ -224,12 +224,6 @@ def add_funnel_args(p: argparse.ArgumentParser, *, schedule: str | None = None) 
         "alpha_tool, judge_max_pixels}",
     )
     g.add_argument(
-        "--shared-device", action="store_true", default=None,
-        help="--judge auto: the small and large servers share one device (two servers on one "
-        "GPU, or on one CPU), so their work adds up in its cost model (default: in-process "
-        "models on one device share it; models behind URLs count as separate)",
-    )
-    g.add_argument(
         "--judge-max-pixels",
         type=int,
         default=f.judge_max_pixels,
