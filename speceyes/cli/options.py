@@ -212,8 +212,8 @@ def add_funnel_args(p: argparse.ArgumentParser, *, schedule: str | None = None) 
         "model, the judge question after the agent's own first-turn prompt, so a server with "
         "prefix caching reuses that prefill for the agent), small (the small model's judge), "
         "small-prefix (the small model, after its own answer prompt), none (no judge: the "
-        "gate alone decides), auto (per batch, the operating point of --points with the "
-        f"highest expected throughput at the load then); see docs/throughput.md (default: "
+        "gate alone decides), auto (per batch, the operating point of --points whose queries "
+        f"have spent least time in the funnel at the load then); see docs/throughput.md (default: "
         f"{f.judge}; {AUTO} when --points is given)",
     )
     g.add_argument(
