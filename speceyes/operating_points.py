@@ -80,7 +80,7 @@ class OperatingPoint:
 class PointCosts:
     """Seconds per query of one operating point, split by where they are spent."""
 
-    front_latency: float  # phases I-III alone, on the query's critical path (its batch's time)
+    front_latency: float  # phases I-III alone (batch 1), on the query's critical path
     large_front: float  # large-model seconds of phase I per query, under load
     small_front: float  # small-model seconds of phases I-II per query, under load
     agent_latency: float  # one agent loop alone (batch 1)
