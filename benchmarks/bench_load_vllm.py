@@ -11,7 +11,10 @@ clients at concurrency C send the same mini-world test questions to every mode:
 - ``speceyes/<judge>``: the funnel with that judge variant (``large`` is the published one);
 - with ``--points FILE`` (``speceyes calibrate --operating-points``): ``speceyes/auto``, the
   load-aware choice among the file's points, and every static variant the file calibrated runs
-  at its own calibrated tau and the file's gate, as auto's points do.
+  at its own calibrated tau and the file's gate, as auto's points do. Before each C's timed
+  rounds auto serves ``--settle`` untimed requests at that C: a server that stays at a load
+  pays its trials of each point there once, and the timed part measures it settled (with its
+  later re-runs); ``--settle 0`` gives the cold figure.
 
 Modes are interleaved in time: for each C, ``--rounds`` rounds, and in each round every mode
 serves one batch of requests in turn (the order rotates by round), so load from other processes
@@ -22,7 +25,7 @@ OUT/table.md. The vLLM servers are always stopped (their process groups), also o
 SIGTERM or SIGHUP.
 
     python benchmarks/bench_load_vllm.py [--concurrency 1,4,16] [--with-64] [--rounds 3]
-        [--requests 0] [--scenes 2] [--judges large,prefix,none] [--points FILE]
+        [--requests 0] [--settle -1] [--scenes 2] [--judges large,prefix,none] [--points FILE]
         [--out runs/bench-load-vllm]
 
 The vLLM environment is ``.venv-vllm`` (``bash tests/vllm_env/setup.sh``) or ``--vllm-python``.
@@ -35,6 +38,7 @@ import asyncio
 import json
 import os
 import platform
+import random
 import signal
 import sys
 import tempfile
@@ -81,6 +85,7 @@ class Sample:
     correct: bool
     route: str
     point: str | None = None  # speceyes/auto: the operating point that answered
+    band: int | None = None  # speceyes/auto: the load band its point was chosen in
 
 
 @dataclass
@@ -108,6 +113,12 @@ class Cell:
             "accuracy": sum(s.correct for s in self.samples) / n if n else None,
             "small_share": sum(s.route == SMALL_ROUTE for s in self.samples) / n if n else None,
             "points": dict(Counter(s.point for s in self.samples if s.point is not None)),
+            # auto: its points per load band (operating_points.load_level), to see where the
+            # trials of a band new to it went
+            "points_by_band": {
+                str(b): dict(Counter(s.point for s in self.samples if s.band == b))
+                for b in sorted({s.band for s in self.samples if s.band is not None})
+            },
         }
 
 
@@ -118,10 +129,14 @@ def modes_of(judges: list[str], auto: bool = False) -> list[Mode]:
 
 
 def question_set(out: Path, scenes: int, seed: int) -> list[Query]:
-    """Level-1 mini-world test questions (the bundled models' world), ``scenes`` x 8."""
+    """Level-1 mini-world test questions (the bundled models' world), ``scenes`` x 8, in a
+    seeded shuffle: a scene's questions share its target's size (all answered at once, or all
+    needing the agent), so in file order a short round would draw one kind only."""
     canvas, clutter = level_defaults(1)
     make_split(out, "test", scenes, seed=seed, canvas=canvas, clutter=clutter, level=1)
-    return list(load_jsonl(out / "questions.jsonl"))
+    queries = list(load_jsonl(out / "questions.jsonl"))
+    random.Random(seed).shuffle(queries)
+    return queries
 
 
 def request_body(q: Query, image_uri: str) -> dict[str, Any]:
@@ -198,7 +213,10 @@ async def closed_loop(
             answer = data["choices"][0]["message"]["content"]
             info = data.get("speceyes", {})
             correct = scoring.is_correct(queries[k], answer)
-            samples.append(Sample(dt, correct, info.get("route", ""), info.get("operating_point")))
+            samples.append(
+                Sample(dt, correct, info.get("route", ""), info.get("operating_point"),
+                       info.get("load_band"))
+            )  # fmt: skip
 
     t0 = time.perf_counter()
     async with aiohttp.ClientSession(timeout=timeout) as session:
@@ -277,9 +295,14 @@ def auto_lines(rows: list[dict[str, Any]]) -> list[str]:
         if auto is None or not others:
             continue
         best = max(others, key=lambda r: r["qps"])
+        bands = "; ".join(
+            f"band {band}: {_points_text(pts)}"
+            for band, pts in (auto.get("points_by_band") or {}).items()
+        )
         out.append(
             f"C={c}: auto {auto['qps']:.2f} queries/s = {auto['qps'] / best['qps']:.3f} x the "
             f"best other mode ({best['mode']}, {best['qps']:.2f})"
+            + (f"; points by load band: {bands}" if bands else "")
         )
     return [""] + out if out else []
 
@@ -291,6 +314,15 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds per C")
     ap.add_argument(
         "--requests", type=int, default=0, help="requests per mode per round (default: max(4C, 8))"
+    )
+    ap.add_argument(
+        "--settle",
+        type=int,
+        default=-1,
+        help="untimed requests that speceyes/auto serves at each C before that C's rounds, so "
+        "that its one-time trials at a load new to it fall outside the timed part (its later "
+        "re-runs stay inside); the static modes keep no state to settle (default: one round's "
+        "requests; 0: none, the cold figure)",
     )
     ap.add_argument("--scenes", type=int, default=2, help="mini-world test scenes (8 questions)")
     ap.add_argument("--seed", type=int, default=0)
@@ -361,6 +393,11 @@ def main() -> int:
             print(f"warm-up done at {time.perf_counter() - t_all:.0f} s", flush=True)
             for c in cs:
                 n = args.requests or max(4 * c, 8)
+                settle = n if args.settle < 0 else args.settle
+                for m in modes:
+                    if settle and m.judge == AUTO:  # untimed: the trials of a load new to it
+                        asyncio.run(closed_loop(urls[m.label], bodies, queries, 0, settle, c))
+                        print(f"C={c} {m.label}: settled on {settle} requests", flush=True)
                 for r in range(args.rounds):
                     for j in range(len(modes)):  # the order rotates by round
                         m = modes[(j + r) % len(modes)]

@@ -76,7 +76,7 @@ from speceyes.agents.base import EMPTY, END, Agent, LoopAgent, drive_loops
 from speceyes.backends.base import Backend, BackendError, per_item
 from speceyes.images import MIN_PIXELS, load_image, resize_for_model
 from speceyes.judging import JudgeMode
-from speceyes.operating_points import AGENT_POINT, AUTO, OperatingPoint, PointChooser
+from speceyes.operating_points import AGENT_POINT, AUTO, OperatingPoint, PointChooser, load_level
 from speceyes.rates import beta_alpha
 from speceyes.types import (  # the funnel's vocabulary, re-exported for older imports
     AGENT_ONLY_MODES,
@@ -894,7 +894,9 @@ class Funnel:
         each query's time in the funnel when it settles)."""
         for r in batch.results:
             r.trace.append({"type": "operating_point", "point": batch.point.name,
-                            "judge": batch.point.judge, "tau": batch.cfg.tau})
+                            "judge": batch.point.judge, "tau": batch.cfg.tau,
+                            "in_flight": batch.in_flight,
+                            "load_band": load_level(max(1, batch.in_flight))})
         with self._stats_lock:
             name = batch.point.name
             self.stats.points[name] = self.stats.points.get(name, 0) + len(batch.results)

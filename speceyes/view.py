@@ -427,8 +427,9 @@ def _point(trace: Any) -> str | None:
     """The operating point that answered the query (``--judge auto``), with its tau."""
     for t in trace if isinstance(trace, list) else ():
         if isinstance(t, dict) and t.get("type") == "operating_point":
-            tau = _num(t.get("tau"))
-            return _short(f"{t.get('point')}" + ("" if tau is None else f", tau {tau:g}"), 80)
+            tau, n = _num(t.get("tau")), _num(t.get("in_flight"))
+            text = f"{t.get('point')}" + ("" if tau is None else f", tau {tau:g}")
+            return _short(text + ("" if n is None else f", {n:g} in flight"), 80)
     return None
 
 

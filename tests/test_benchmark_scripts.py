@@ -59,3 +59,23 @@ def test_load_benchmark_modes_from_a_points_file(tmp_path):
         {"mode": "speceyes/auto", "concurrency": 4, "qps": 1.9},
     ]
     assert bench.auto_lines(rows)[-1].startswith("C=4: auto 1.90 queries/s = 0.950 x the best")
+
+
+def test_load_benchmark_reports_autos_points_per_load_band(tmp_path):
+    """Where auto's trials went: its answers counted per load band its point was chosen in,
+    and the questions in a seeded mix of both scenes (one scene's questions share a route)."""
+    bench = _load(BENCHMARKS / "bench_load_vllm.py")
+    cell = bench.Cell("speceyes/auto", 16)
+    cell.wall_s = 4.0
+    cell.samples = [bench.Sample(1.0, True, "small", "none", 2) for _ in range(6)]
+    cell.samples += [
+        bench.Sample(1.0, True, "agent", "large", 2),
+        bench.Sample(1.0, True, "agent", "agent", 1),
+    ]
+    row = cell.summary()
+    assert row["points_by_band"] == {"1": {"agent": 1}, "2": {"none": 6, "large": 1}}
+    other = {"mode": "agent-only", "concurrency": 16, "qps": 1.0}
+    line = bench.auto_lines([other, row])[-1]
+    assert line.endswith("points by load band: band 1: agent 100%; band 2: large 14%, none 86%")
+    queries = bench.question_set(tmp_path / "mw", 2, 0)
+    assert len(queries) == 16 and len({q.image for q in queries[:8]}) == 2  # a round mixes both

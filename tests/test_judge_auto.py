@@ -197,8 +197,10 @@ def test_each_batch_runs_at_its_point_with_its_judge_and_tau(models, mw_queries)
     # the first two batches measure each point; every query records the one that answered it
     assert [p["point"] for p in points[:4]] == ["large", "large", "none", "none"]
     assert sum(f.stats.points.values()) == len(mw_queries)
+    assert points[0]["in_flight"] == 2  # the load its point was chosen at: the first batch
     for r, p in zip(results, points, strict=True):
         assert p["tau"] == (0.9 if p["judge"] == "large" else 0.95)
+        assert p["in_flight"] >= 2 and p["load_band"] == load_level(p["in_flight"])
         if p["judge"] == "none":  # no judge: every query is the gate's to decide
             assert r.p_tool is None and r.judge_tool is False
         else:
@@ -226,5 +228,5 @@ def test_each_batch_runs_at_its_point_with_its_judge_and_tau(models, mw_queries)
     # the viewer's card shows it
     from speceyes.view import _card
 
-    assert _card(records[0], None, None)["op"] == "large, tau 0.9"
+    assert _card(records[0], None, None)["op"] == "large, tau 0.9, 2 in flight"
     assert "op" not in _card({**records[0], "trace": []}, None, None)

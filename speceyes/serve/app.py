@@ -273,6 +273,7 @@ class Server(ServerState):
             "speceyes": {
                 "route": r.route,
                 "operating_point": (r.operating_point() or {}).get("point"),
+                "load_band": (r.operating_point() or {}).get("load_band"),
                 "confidence": r.confidence,
                 "p_tool": r.p_tool,
                 "tool_calls": r.tool_calls,
