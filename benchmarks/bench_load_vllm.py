@@ -70,6 +70,7 @@ from speceyes.types import Query  # noqa: E402
 AGENT_ONLY = "agent-only"
 SMALL_ROUTE = "small"  # the route of an answer the small model gave (gate accepted)
 CLIENT_TIMEOUT_S = 900.0
+MIN_REQUESTS = 32  # per mode and round, whatever C: a round must outlast this machine's jitter
 
 
 @dataclass
@@ -313,7 +314,11 @@ def main() -> int:
     ap.add_argument("--with-64", action="store_true", help="also C=64")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds per C")
     ap.add_argument(
-        "--requests", type=int, default=0, help="requests per mode per round (default: max(4C, 8))"
+        "--requests",
+        type=int,
+        default=0,
+        help="requests per mode per round (default: max(4C, 32); at C=1 a round of 8 lasts a few "
+        "seconds, and two rounds of one mode then differ by 20%%)",
     )
     ap.add_argument(
         "--settle",
@@ -392,7 +397,7 @@ def main() -> int:
                 asyncio.run(closed_loop(urls[m.label], bodies, queries, 0, len(queries), 4))
             print(f"warm-up done at {time.perf_counter() - t_all:.0f} s", flush=True)
             for c in cs:
-                n = args.requests or max(4 * c, 8)
+                n = args.requests or max(4 * c, MIN_REQUESTS)
                 settle = n if args.settle < 0 else args.settle
                 for m in modes:
                     if settle and m.judge == AUTO:  # untimed: the trials of a load new to it

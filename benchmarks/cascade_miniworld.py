@@ -1,7 +1,7 @@
 """The cascade on the mini world: every stage for every query (``both``), per target size.
 
 Builds the demo's split (``speceyes demo``'s machinery: level 1 by default, ``--split val`` or
-``test``, ``--seed``, ``--scenes``), loads the bundled models once, and runs the demo's funnel
+``test``, ``--seed``, ``--scenes``), loads the bundled models (or ``--models DIR``) once, and runs the demo's funnel
 (its manifest's agent and gate) in mode ``both`` with ``--speculate-depth`` and
 ``--middle-tier`` through ``speceyes eval``'s runner into ``OUT/{small,large}-targets/``:
 ordinary run folders whose ``samples.jsonl`` log every stage (for offline replay of any
@@ -34,10 +34,17 @@ def main() -> None:
     p.add_argument("--speculate-depth", type=int, default=1)
     p.add_argument("--no-middle-tier", action="store_true")
     p.add_argument("--resume", action="store_true")
+    p.add_argument(
+        "--models",
+        type=Path,
+        default=None,
+        help="folder with small/, large/ and manifest.json, as speceyes demo --models takes "
+        "(default: the level's bundled models)",
+    )
     args = p.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-    models_dir = demo.LEVEL_MODELS[args.level]
+    models_dir = args.models or demo.LEVEL_MODELS[args.level]
     models = demo.find_models(models_dir)
     settings = Settings.from_manifest(models_dir / MANIFEST).with_funnel(
         mode="both", speculate_depth=args.speculate_depth, middle_tier=not args.no_middle_tier

@@ -418,6 +418,10 @@ class Funnel:
             judges = {p.judge for p in points}
             self._chooser = PointChooser(points)
         self._in_agent = 0  # queries handed to phase IV and not yet done (--judge auto's load)
+        # A server's queries that have not reached the funnel yet (serve sets it): they are in
+        # the system too, and a point whose front is slow keeps more of them waiting, so
+        # without them the load band would depend on the point.
+        self.waiting: Callable[[], int] | None = None
         if "prefix" in judges and agent is not None and not agent.shares_first_prompt:
             raise ValueError(
                 "--judge prefix: this agent's first prompt cannot be shared with the judge "
@@ -525,8 +529,9 @@ class Funnel:
         batch = Batch(results=[Result(id=q.id, answer="") for q in queries], live={},
                       cfg=self.config, opened=time.perf_counter())
         if self._chooser is not None:  # --judge auto: this batch's point, by the load now
+            outside = self.waiting() if self.waiting is not None else 0
             with self._stats_lock:
-                batch.in_flight = len(queries) + self._in_agent
+                batch.in_flight = len(queries) + self._in_agent + outside
             batch.point = self._chooser.choose(batch.in_flight)
             batch.cfg = self.config.at_point(batch.point)
         unreadable = 0
@@ -909,7 +914,9 @@ class Funnel:
         r.route = route_of(batch.cfg.mode, r, failed=failed, accepted=accepted)
         r.answer = _answer_of(r)
         if self._chooser is not None and batch.point is not None and not failed:
-            seconds = time.perf_counter() - batch.opened
+            # its time in the system: a server's queue as well (a slow front makes the next
+            # batch's queries wait there, and by Little's law that time costs throughput too)
+            seconds = time.perf_counter() - batch.opened + batch.live[i].queued_s
             early = i not in batch.to_agent  # answered without the agent loop
             self._chooser.observe(batch.point, batch.in_flight, seconds, early=early)
         if r.stages:

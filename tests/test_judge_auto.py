@@ -230,3 +230,59 @@ def test_each_batch_runs_at_its_point_with_its_judge_and_tau(models, mw_queries)
 
     assert _card(records[0], None, None)["op"] == "large, tau 0.9, 2 in flight"
     assert "op" not in _card({**records[0], "trace": []}, None, None)
+
+
+def test_a_servers_queue_counts_in_the_load_and_in_each_querys_time(models, mw_queries):  # noqa: F811
+    """A slow front keeps the next batch's queries waiting in the server's queue: that wait is
+    time in the system (Little's law), and the queue is load, whatever point made it."""
+    from dataclasses import replace
+
+    small, large, agent = models
+    f = Funnel(small, large, agent, FunnelConfig(judge="auto", points=POINTS[:1], batch_size=2))
+    f.waiting = lambda: 10  # ten more queries wait in a server's queue
+    queued = [replace(q, queued_s=30.0) for q in mw_queries[:2]]
+    results = f.run(queued)
+    point = results[0].operating_point()
+    assert point["in_flight"] == 12 and point["load_band"] == load_level(12)
+    # each query's time counts its 30 s in the queue (alone, the batch takes seconds)
+    t = f._chooser.seconds(f._chooser.points[0], load_level(12))
+    assert 30.0 < t < 30.0 + max(r.timings.get("total", 60.0) for r in results) + 60.0
+
+
+def test_serve_stamps_each_querys_wait_and_lends_the_funnel_its_queue(models, mw_queries):  # noqa: F811
+    import urllib.request
+    from concurrent.futures import ThreadPoolExecutor
+
+    from speceyes.images import load_image, to_data_uri
+    from speceyes.serve import STATE_KEY, create_app
+    from tests.tools.hostile import image_part, text_part, user_request
+    from tests.tools.server_thread import ServerThread
+
+    small, large, agent = models
+    f = Funnel(small, large, agent, FunnelConfig(judge="auto", points=POINTS[:1], batch_size=1))
+    seen: list = []
+    opened = f._open
+    f._open = lambda qs: (seen.extend(qs), opened(qs))[1]  # type: ignore[method-assign]
+    app = create_app(f, max_wait_ms=0)
+    q = mw_queries[0]
+    body = user_request(image_part(to_data_uri(load_image(q.image))), text_part(q.question))
+    data = json.dumps(body).encode()
+
+    def post(url: str) -> dict:
+        headers = {"Content-Type": "application/json"}
+        req = urllib.request.Request(url + "/v1/chat/completions", data, headers)
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return json.loads(r.read())
+
+    srv = ServerThread(app).start()
+    try:
+        assert f.waiting is not None and f.waiting() == app[STATE_KEY].admitted == 0
+        with ThreadPoolExecutor(3) as pool:
+            answers = list(pool.map(post, [srv.url] * 3))
+    finally:
+        srv.stop()
+    assert all(a["speceyes"]["load_band"] is not None for a in answers)
+    queues = sorted(a["speceyes"]["timings"]["queue"] for a in answers)
+    assert queues[-1] > 0.05  # one batch at a time: someone waited for the others' fronts
+    # the funnel saw each query with its own wait (the chooser adds it to the query's time)
+    assert len(seen) == 3 and max(x.queued_s for x in seen) > 0.05

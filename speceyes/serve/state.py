@@ -17,7 +17,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -133,6 +133,8 @@ class ServerState:
             self._agent_wrap = _SkipAbandoned(agent, self._query_gone)
             self.funnel.agent = self._agent_wrap
         self.batcher = self.loop.create_task(self._batch_loop())
+        if hasattr(self.funnel, "waiting"):  # --judge auto's load: the queue counts in it
+            self.funnel.waiting = lambda: self.admitted
         # A daemon thread, not an executor: a batch stuck in a model call must not keep the
         # process alive after SIGTERM (executor threads are joined at interpreter exit).
         threading.Thread(target=self._funnel_main, name="speceyes-funnel", daemon=True).start()
@@ -207,7 +209,11 @@ class ServerState:
                 if dropped and not self._post(self._drop, dropped):
                     return
                 if len(dropped) < len(batch):
-                    yield [it.query for it in batch if it not in dropped]
+                    yield [
+                        replace(it.query, queued_s=max(0.0, now - it.enqueued))
+                        for it in batch
+                        if it not in dropped
+                    ]
 
         while True:
             try:
