@@ -147,6 +147,7 @@ class _CascadeRun(_Run):
         stage_u: np.ndarray,
     ) -> None:
         super().__init__("speceyes", costs, d, concurrency, None, judge)
+        self.sequential = False  # its small stages continue every query's small answer
         self.stage_names = spec.stages
         self.stage_accept = [(stage_u[:, j] < p).tolist() for j, p in enumerate(spec.acceptance())]
         self.pos = [-1] * self.n  # index into stage_names of the stage running

@@ -18,6 +18,7 @@ from speceyes.images import smart_resize
 from speceyes.rates import analytic_latency
 
 LARGE, SMALL = 0, 1  # model classes on an engine
+AGENT_WORKLOADS: tuple[str, ...] = ("deepeyes", "search")
 
 
 # --- image tokens per benchmark ----------------------------------------------------------------
@@ -146,6 +147,56 @@ class CostModel:
     # to the GPU's seconds; docs/throughput.md gives what it measured on a CPU here.
     image_preprocess_s: float = 0.0
 
+    # Per-request fixed costs (0 by default: beside a GPU's prefill they are noise). On a CPU
+    # server every call also pays HTTP, chat templating, image processing and scheduling.
+    # ``*_request_s`` is the part that does not batch: paid serially in the step the request
+    # joins, as a prefill is; ``*_request_latency_s`` is the part that runs beside the engine
+    # (client and API-server work overlapping other requests): a delay before the request joins.
+    large_request_s: float = 0.0
+    small_request_s: float = 0.0
+    large_request_latency_s: float = 0.0
+    small_request_latency_s: float = 0.0
+    # Every prompt was served before (a benchmark cycling through a few questions after a
+    # warm-up): the prefix cache holds all of it, images included, but the last partial block
+    # of ``cache_block_tokens`` (vLLM caches full blocks only), so a request of P prefill
+    # tokens prefills P mod block text tokens (at least one). Needs prefix_caching.
+    warm_cache: bool = False
+    cache_block_tokens: int = 16  # vLLM's default block size on GPUs (its CPU backend: 128)
+    # Ours' phases I and II side by side on every query (the funnel's --overlap; the default
+    # here, so the small answer never waits for the judge); False: the funnel's own default
+    # order, the judge first, then the small answer on the queries it judged tool-free.
+    phase_overlap: bool = True
+    # The funnel's pipelined schedule as ``speceyes serve`` runs it (search workload only):
+    # queries wait for a front batch (up to ``front_batch``, closed ``front_wait_s`` after its
+    # oldest, one batch at a time, each phase waiting for the whole batch), and one agent
+    # driver steps at most ``max_agent_loops`` loops together: a step cuts every searching
+    # loop's crops (``tool_s`` each, one after another), sends all their cells, waits for all,
+    # then the answers of the loops that finished searching; a loop joins at a step's start.
+    # False (default): every query and loop on its own.
+    funnel_pipeline: bool = False
+    # The client's CPU (``tool_s``, ``image_preprocess_s``) runs on the engine's own device,
+    # serially with its steps (a CPU server whose clients share its cores), instead of beside
+    # it. With it the image preprocessing is the client's: resizing and encoding a query's view
+    # before each request that sends the whole image.
+    client_cpu_on_engine: bool = False
+    front_batch: int = 16  # the funnel's batch_size
+    front_wait_s: float = 0.01  # the serve app's max_wait_ms
+    max_agent_loops: int = 32  # the funnel's max_agent_loops
+
+    # The agent's shape. "deepeyes": turns of 100-300 tokens with tool calls (the fields above).
+    # "search": the search agent (speceyes.agents.search): ``search_depth`` rounds, each scoring
+    # ``search_grid`` x ``search_grid`` crops with one request per cell (a fresh conversation:
+    # the crop, ``crop_tokens`` image tokens, and a short question; one decoded token), the
+    # rounds one after another with ``tool_s`` of CPU (cropping) before each, then one answer
+    # request on the final crop.
+    agent_workload: str = "deepeyes"
+    search_depth: int = 3
+    search_grid: int = 3
+    search_cell_text_tokens: int = 40  # uncached text of a cell-scoring request
+    search_cell_decode_tokens: int = 1
+    search_answer_text_tokens: int = 60  # uncached text of the answer on the final crop
+    search_answer_decode_tokens: int = 2  # a one-token answer and its end-of-sequence token
+
     def validate(self) -> None:
         p = np.asarray(self.tool_call_probs, dtype=np.float64)
         if p.ndim != 1 or p.size == 0 or (p < 0).any() or abs(p.sum() - 1.0) > 1e-6:
@@ -154,7 +205,8 @@ class CostModel:
             raise ValueError("decode step times must be positive")
         costs = (
             self.large_prefill_s_per_token, self.small_prefill_s_per_token, self.tool_s,
-            self.image_preprocess_s,
+            self.image_preprocess_s, self.large_request_s, self.small_request_s,
+            self.large_request_latency_s, self.small_request_latency_s,
             self.large_vit_s_per_token, self.small_vit_s_per_token,
             self.large_kv_read_s_per_token, self.small_kv_read_s_per_token,
         )
@@ -164,6 +216,24 @@ class CostModel:
             raise ValueError("max batch and prefill budget must be >= 1")
         if min(self.judge_decode_tokens, self.small_decode_tokens, self.turn_tokens_min) < 1:
             raise ValueError("every model call decodes at least one token")
+        if self.agent_workload not in AGENT_WORKLOADS:
+            raise ValueError(
+                f"agent_workload must be one of {', '.join(AGENT_WORKLOADS)}, "
+                f"got {self.agent_workload!r}"
+            )
+        if self.agent_workload == "search" and (
+            self.search_depth < 0 or self.search_grid < 1
+            or min(self.search_cell_decode_tokens, self.search_answer_decode_tokens) < 1
+            or min(self.search_cell_text_tokens, self.search_answer_text_tokens) < 0
+        ):
+            raise ValueError("search workload: need depth >= 0, grid >= 1, token counts >= 0 "
+                             "and at least one decoded token per request")
+        if self.funnel_pipeline and self.agent_workload != "search":
+            raise ValueError("funnel_pipeline models the search agent's driver only")
+        if min(self.front_batch, self.max_agent_loops) < 1 or self.front_wait_s < 0:
+            raise ValueError("front_batch and max_agent_loops must be >= 1, front_wait_s >= 0")
+        if self.cache_block_tokens < 1:
+            raise ValueError("cache_block_tokens must be >= 1")
         if self.turn_tokens_max < self.turn_tokens_min:
             raise ValueError("turn_tokens_max < turn_tokens_min")
         if self.judge_max_pixels is not None and self.judge_max_pixels < LARGE_MIN_PIXELS:
@@ -219,6 +289,21 @@ class CostModel:
         per = self.large_kv_bytes_per_token if cls == LARGE else self.small_kv_bytes_per_token
         return int(kv_gb * 1e9 // per)
 
+    def request_s(self, cls: int) -> float:
+        """Fixed seconds per request that do not batch (paid in the step it joins)."""
+        return self.large_request_s if cls == LARGE else self.small_request_s
+
+    def request_latency_s(self, cls: int) -> float:
+        """Fixed seconds per request spent beside the engine before it joins."""
+        return self.large_request_latency_s if cls == LARGE else self.small_request_latency_s
+
+    def warm_prefill_s(self, cls: int, tokens: int) -> float | None:
+        """The prefill of a request of ``tokens`` prefill tokens under ``warm_cache`` (its
+        last partial block only); None without it."""
+        if not (self.warm_cache and self.prefix_caching):
+            return None
+        return self.prefill_s(cls, int(tokens) % self.cache_block_tokens or 1)
+
     def prefill_s(self, cls: int, text: int, image: int = 0) -> float:
         """Seconds to prefill ``text`` text tokens and ``image`` image tokens."""
         if cls == LARGE:
@@ -265,7 +350,33 @@ class CostModel:
 
     # --- derived batch-1 costs (seconds) -------------------------------------------------------
     def _b1(self, cls: int, prefill_s: float, n_decode: int, ctx: int) -> float:
-        return prefill_s + n_decode * (self.step_table(cls)[1] + ctx * self.kv_read(cls))
+        fixed = self.request_s(cls) + self.request_latency_s(cls)
+        warm = self.warm_prefill_s(cls, ctx - n_decode)  # ctx: the prompt and what it decodes
+        if warm is not None:
+            prefill_s = warm
+        return fixed + prefill_s + n_decode * (self.step_table(cls)[1] + ctx * self.kv_read(cls))
+
+    # --- the search agent's requests -------------------------------------------------------------
+    @property
+    def search_cells(self) -> int:
+        """Cell-scoring requests per search round."""
+        return self.search_grid * self.search_grid
+
+    @property
+    def search_requests(self) -> int:
+        """Large-model requests per search loop: every round's cells, then the answer."""
+        return self.search_depth * self.search_cells + 1
+
+    def search_cell_request(self) -> tuple[int, float, int, int]:
+        """(prefill tokens, prefill seconds, decoded tokens, KV context) of one cell score."""
+        t, img, n = self.search_cell_text_tokens, self.crop_tokens, self.search_cell_decode_tokens
+        return t + img, self.prefill_s(LARGE, t, img), n, t + img + n
+
+    def search_answer_request(self) -> tuple[int, float, int, int]:
+        """The answer on the final crop (the whole image when there are no rounds)."""
+        img = self.crop_tokens if self.search_depth else self.image_tokens
+        t, n = self.search_answer_text_tokens, self.search_answer_decode_tokens
+        return t + img, self.prefill_s(LARGE, t, img), n, t + img + n
 
     def judge_s(self) -> float:
         """The published judge at batch 1 (the large model, its view of the image)."""
@@ -285,7 +396,12 @@ class CostModel:
         return float(np.dot(np.arange(len(self.tool_call_probs)), self.tool_call_probs))
 
     def _agent_parts(self) -> tuple[float, float, float, float]:
-        """Mean batch-1 agent seconds split as (prefill, decode steps, KV reads, tool CPU)."""
+        """Mean batch-1 agent seconds split as (prefill, decode steps, KV reads, tool CPU).
+        Per-request fixed costs count as prefill (serial on the engine) and as tool time (off
+        the engine); the search workload's cells of a round run together, so a round costs
+        one cell's time at batch 1 plus its cells' serial parts."""
+        if self.agent_workload == "search":
+            return self._search_parts()
         m = 0.5 * (self.turn_tokens_min + self.turn_tokens_max)
         a, tt = self.agent_prefill_tokens, self.tool_turn_prefill_tokens
         pre = dec = kv = tool = 0.0
@@ -295,15 +411,35 @@ class CostModel:
             ctx = float(a)
             for k in range(k_calls + 1):  # turn k: its prefill, then m decode steps
                 if k == 0:
-                    pre_k = first
+                    pre_k, tokens_k = first, a
                 else:
                     pre_k = tool_turn_prefill_s(self, ctx, k)
+                    tokens_k = tt if self.prefix_caching else int(ctx) + tt
                     ctx += tt
                 ctx += m
-                pre += p * pre_k
+                warm = self.warm_prefill_s(LARGE, tokens_k)
+                pre += p * (pre_k if warm is None else warm)
                 dec += p * m * dec1
                 kv += p * m * ctx * r
             tool += p * k_calls * self.tool_s
+        turns = 1.0 + self.mean_tool_calls()
+        pre += turns * self.large_request_s
+        tool += turns * self.large_request_latency_s
+        return pre, dec, kv, tool
+
+    def _search_parts(self) -> tuple[float, float, float, float]:
+        dec1, r = self.step_table(LARGE)[1], self.kv_read(LARGE)
+        _, cell_pre, cell_n, cell_ctx = self.search_cell_request()
+        _, ans_pre, ans_n, ans_ctx = self.search_answer_request()
+        d, g = self.search_depth, self.search_cells
+        cell_warm = self.warm_prefill_s(LARGE, self.search_cell_request()[0])
+        if cell_warm is not None:
+            cell_pre = cell_warm
+            ans_pre = self.warm_prefill_s(LARGE, self.search_answer_request()[0]) or 0.0
+        pre = d * g * (cell_pre + self.large_request_s) + ans_pre + self.large_request_s
+        dec = (d * cell_n + ans_n) * dec1
+        kv = (d * cell_n * cell_ctx + ans_n * ans_ctx) * r
+        tool = d * self.tool_s + (d + 1) * self.large_request_latency_s
         return pre, dec, kv, tool
 
     def agent_s(self) -> float:
@@ -355,7 +491,11 @@ class CostModel:
             judge_pre = c.prefill_s(LARGE, c.judge_text_tokens, c.judge_view_tokens(LARGE))
             judge_kv = c.judge_decode_tokens * (c.judge_prefill_tokens + c.judge_decode_tokens)
             judge_kv *= c.kv_read(LARGE)
-            a_pre, a_dec, a_kv, a_tool = c._agent_parts()
+            # the per-request fixed costs are kept as given, outside the scaled parts
+            bare = replace(c, large_request_s=0.0, large_request_latency_s=0.0)
+            a_pre, a_dec, a_kv, a_tool = bare._agent_parts()
+            a_tool += c.agent_s() - bare.agent_s()
+            judge_kv += c.request_s(LARGE) + c.request_latency_s(LARGE)
             a = np.array(
                 [
                     [judge_pre, c.judge_decode_tokens * f1],
@@ -454,7 +594,9 @@ def judge_costs(costs: CostModel) -> dict[str, dict[str, Any]]:
                                  c.image_tokens), c.judge_decode_tokens, tokens + 1)
     saved = c.prefill_s(LARGE, c.agent_text_tokens - c.prefix_tail_tokens, c.image_tokens)
     out["prefix"] = {"model": "large", "tokens": tokens, "s": s,
-                     "saves_agent_s": saved if c.prefix_caching else 0.0}
+                     # the search agent's own requests score crops: none repeats the prefix
+                     "saves_agent_s": saved if c.prefix_caching and c.agent_workload == "deepeyes"
+                     else 0.0}
     simg = c.judge_view_tokens(SMALL)
     out["small"] = {"model": "small", "tokens": simg + c.judge_text_tokens,
                     "s": c._b1(SMALL, c.prefill_s(SMALL, c.judge_text_tokens, simg),

@@ -8,7 +8,7 @@ import math
 from collections import deque
 from collections.abc import Callable
 
-from speceyes.simulate.costs import LARGE, CostModel
+from speceyes.simulate.costs import LARGE, SMALL, CostModel
 
 # --- the event engine ------------------------------------------------------------------------
 
@@ -36,10 +36,26 @@ class _Sim:
 class _Model:
     """One model's share of an engine: its step costs, limits, queue and running sequences."""
 
-    __slots__ = ("table", "max_batch", "kv", "kv_read", "budget", "waiting", "count", "kv_used")
+    __slots__ = (
+        "table", "max_batch", "kv", "kv_read", "budget", "waiting", "count", "kv_used",
+        "request_s", "latency", "warm_block", "text_prefill", "gather",
+    )
 
     def __init__(self, costs: CostModel, cls: int) -> None:
         self.table = costs.step_table(cls)
+        self.request_s = costs.request_s(cls)  # serial per request, in the step it joins
+        self.latency = costs.request_latency_s(cls)  # beside the engine, before it joins
+        # warm_cache: every prompt but its last partial block (of this many tokens) is cached
+        warm = costs.warm_prefill_s(cls, 1) is not None
+        self.warm_block = costs.cache_block_tokens if warm else 0
+        self.text_prefill = costs.prefill_s(cls, 1)  # seconds per text token
+        # An idle engine takes every request that arrives at the same instant into its first
+        # step, as a real scheduler takes every waiting request. The original engine starts on
+        # the first one (the others join a step later); that is kept where none of the CPU
+        # terms is used, so the earlier figures stay as they were.
+        self.gather = costs.agent_workload == "search" or costs.warm_cache or any(
+            (costs.request_s(k), costs.request_latency_s(k)) != (0.0, 0.0) for k in (LARGE, SMALL)
+        )
         self.max_batch = costs.large_max_batch if cls == LARGE else costs.small_max_batch
         self.kv = costs.kv_tokens(cls)
         self.kv_read = costs.kv_read(cls)
@@ -65,6 +81,9 @@ class _Engine:
         self.step = 0  # completed steps at the current segment's start
         self.busy = False
         self.in_event = False
+        self.gather = any(m.gather for m in models.values())
+        self.kick = False  # a start at the current instant is scheduled (gather)
+        self.cpu_waiting: deque[tuple[float, Callback, int]] = deque()
         self.version = 0
         self.seq = 0
         self.t0 = self.first = self.dec = 0.0
@@ -78,18 +97,52 @@ class _Engine:
         cb: Callback, q: int,
     ) -> None:
         """A request of ``tokens`` prefill tokens (``prefill_s`` seconds), ``n_decode`` decoded
-        tokens and ``ctx`` tokens of KV cache while it runs; ``cb(q, t)`` when it is done."""
+        tokens and ``ctx`` tokens of KV cache while it runs; ``cb(q, t)`` when it is done. A
+        model with a per-request latency (client, HTTP) holds it that long before it joins."""
+        lat = self.models[cls].latency
+        if lat > 0:
+            self.sim.at(t + lat, lambda q_, t_: self._enqueue(
+                t_, cls, tokens, prefill_s, n_decode, ctx, cb, q_), q)
+            return
+        self._enqueue(t, cls, tokens, prefill_s, n_decode, ctx, cb, q)
+
+    def _enqueue(
+        self, t: float, cls: int, tokens: int, prefill_s: float, n_decode: int, ctx: int,
+        cb: Callback, q: int,
+    ) -> None:
         m = self.models[cls]
         m.waiting.append((tokens, prefill_s, n_decode, ctx, cb, q))
         self.jobs += 1
         if self.in_event:  # the boundary being processed admits it
             return
         if not self.busy:
-            self._plan(t)
+            if not self.gather:
+                self._plan(t)
+            elif not self.kick:  # start after the other arrivals of this instant
+                self.kick = True
+                self.sim.at(t, self._start, 0)
             return
         if len(m.waiting) > 1 or not m.room(ctx):
             return  # joins when a sequence leaves (or after the ones queued before it)
-        # join at the first step boundary at or after t: cut the current segment there
+        self._join_next(t)
+
+    def submit_cpu(self, t: float, seconds: float, cb: Callback, q: int) -> None:
+        """``seconds`` of CPU work on this engine's device that is no model call (a CPU
+        server's clients share its cores): paid serially in the next step, as a prefill is,
+        without a sequence; ``cb(q, t)`` when that step's first token would be out."""
+        self.cpu_waiting.append((seconds, cb, q))
+        if self.in_event:
+            return
+        if not self.busy:
+            if not self.kick:
+                self.kick = True
+                self.sim.at(t, self._start, 0)
+            return
+        if len(self.cpu_waiting) == 1:
+            self._join_next(t)
+
+    def _join_next(self, t: float) -> None:
+        """Work waiting joins at the first step boundary at or after t: cut the segment."""
         rel = t - self.t0
         j = 1 if rel <= self.first else 1 + math.ceil((rel - self.first) / self.dec)
         if self.step + j < self.end_step:
@@ -97,6 +150,11 @@ class _Engine:
             self.version += 1
             self.sim.at(max(t, self.t0 + self.first + (j - 1) * self.dec), self._boundary,
                         self.version)
+
+    def _start(self, _: int, t: float) -> None:
+        self.kick = False
+        if not self.busy:
+            self._plan(t)
 
     def _boundary(self, version: int, t: float) -> None:
         if version != self.version:
@@ -134,14 +192,21 @@ class _Engine:
                     break
                 w.popleft()
                 budget -= tokens
-                pre += prefill_s
+                if m.warm_block:
+                    prefill_s = (tokens % m.warm_block or 1) * m.text_prefill
+                pre += prefill_s + m.request_s
                 admitted += 1
                 self.seq += 1
                 heapq.heappush(act, (self.step + n_decode, self.seq, cls, ctx, cb, q))
                 m.count += 1
                 m.kv_used += ctx
                 self.n += 1
-        if not self.n:
+        cpu: list[tuple[Callback, int]] = []
+        while self.cpu_waiting:
+            seconds, cb, q = self.cpu_waiting.popleft()
+            pre += seconds
+            cpu.append((cb, q))
+        if not self.n and not cpu:
             self.busy = False
             return
         self.busy = True
@@ -150,12 +215,14 @@ class _Engine:
             if m.count:
                 dec += m.table[m.count] + m.kv_used * m.kv_read
         self.t0, self.dec, self.first = t, dec, dec + pre
-        end = act[0][0]
+        end = act[0][0] if self.n else self.step + 1  # CPU work alone: one step of it
         if more:
             end = self.step + 1  # admit the rest at the next boundary
         self.end_step = end
         self.version += 1
         self.sim.at(t + self.first + (end - self.step - 1) * dec, self._boundary, self.version)
+        for cb, q in cpu:
+            self.sim.at(t + self.first, cb, q)
 
 
 def _stats(e: _Engine, makespan: float) -> dict[str, float]:

@@ -77,7 +77,10 @@ def draw(
 
 def agent_latency_b1(costs: CostModel, d: Draws, first_prefill_s: float | None = None) -> np.ndarray:
     """Each query's agent-loop seconds alone on the engine (batch 1): the sum of its turn costs.
-    ``first_prefill_s`` replaces the first turn's prefill (a prefix-cache hit)."""
+    ``first_prefill_s`` replaces the first turn's prefill (a prefix-cache hit). The search
+    workload draws nothing: every loop costs :meth:`CostModel.agent_s`."""
+    if costs.agent_workload == "search":
+        return np.full(len(d.turns), costs.agent_s())
     dec1, r = costs.step_table(LARGE)[1], costs.kv_read(LARGE)
     first = (
         costs.prefill_s(LARGE, costs.agent_text_tokens, costs.image_tokens)
@@ -181,7 +184,18 @@ class _Run:
         )
         # the agent's first turn: after a prefix-shared judge, only the tail misses the cache
         full_first = c.prefill_s(LARGE, c.agent_text_tokens, c.image_tokens)
-        self.first_hit = schedule == "speceyes" and judge == "prefix" and tail is not None
+        self.search = c.agent_workload == "search"
+        # the search agent's requests score crops, each a fresh conversation: none of them
+        # continues the prefix judge's prompt, so its prefill is never reused
+        self.first_hit = (
+            schedule == "speceyes" and judge == "prefix" and tail is not None and not self.search
+        )
+        # the funnel's default order: the judge first, the small answer only when tool-free
+        self.sequential = not c.phase_overlap and schedule == "speceyes" and judge in (
+            "large", "prefix", "small"
+        )
+        self.req_cell = c.search_cell_request()
+        self.req_answer = c.search_answer_request()
         self.large_judged = schedule == "published" or (
             schedule == "speceyes" and judge in ("large", "prefix")
         )
@@ -199,6 +213,7 @@ class _Run:
         self.n = len(self.tool)
         self.turn = [0] * self.n
         self.ctx = [0] * self.n
+        self.cells_left = [0] * self.n  # search: cell scores of the current round not back yet
         self.state = [0] * self.n
         self.issued = np.zeros(self.n)
         self.finished = np.zeros(self.n)
@@ -214,6 +229,22 @@ class _Run:
             "published": self._pub_enqueue,
             "speceyes": self._spec_start,
         }[schedule]
+        # the funnel's pipelined schedule, as the serve app runs it (CostModel.funnel_pipeline)
+        self.pipe = c.funnel_pipeline and schedule in ("agent-only", "speceyes")
+        if self.pipe:
+            if judge == "small-prefix":
+                raise ValueError("funnel_pipeline does not model the small-prefix judge")
+            self.start_query = self._pipe_arrive
+        self.arrived = [0.0] * self.n
+        self.front_q: deque[int] = deque()
+        self.front_busy = False
+        self.front_now: list[int] = []
+        self.front_left = 0
+        self.agent_q: deque[int] = deque()
+        self.loops: list[int] = []  # the driver's active loops
+        self.driver_busy = False
+        self.step_left = 0
+        self.step_answering: list[int] = []
 
     def run(self) -> RunResult:
         if self.schedule == "published":
@@ -252,7 +283,10 @@ class _Run:
         """``req`` to ``engine`` at ``t``; one that carries the full image waits first for the
         server's CPU to decode and resize it (``image_preprocess_s``)."""
         pp = self.costs.image_preprocess_s if image else 0.0
-        if pp > 0:
+        if pp > 0 and self.costs.client_cpu_on_engine:  # on the engine's own cores
+            engine.submit_cpu(t, pp, lambda q_, t_: engine.submit(
+                t_, cls, req[0], req[1], req[2], req[3], cb, q_), q)
+        elif pp > 0:
             self.sim.at(t + pp, lambda q_, t_: engine.submit(
                 t_, cls, req[0], req[1], req[2], req[3], cb, q_), q)
         else:
@@ -261,6 +295,9 @@ class _Run:
     # agent loop (phase IV), shared by all schedules
     def _agent_start(self, q: int, t: float) -> None:
         self.turn[q] = 0
+        if self.search:
+            self._search_next(q, t)
+            return
         n = self.tt[q][0]
         self.ctx[q] = ctx = self.costs.agent_prefill_tokens + n
         req = (self.first_tokens, self.first_s, n, ctx)
@@ -293,6 +330,31 @@ class _Run:
             self._agent_turn_done, q,
         )
 
+    # the search agent: rounds of cell scores, each round after the last, then the answer
+    def _search_next(self, q: int, t: float) -> None:
+        if self.turn[q] < self.costs.search_depth:
+            if self.costs.tool_s > 0 and self.costs.client_cpu_on_engine:
+                self.large.submit_cpu(t, self.costs.tool_s, self._search_round, q)
+            elif self.costs.tool_s > 0:  # the round's crops are cut on the CPU first
+                self.sim.at(t + self.costs.tool_s, self._search_round, q)
+            else:
+                self._search_round(q, t)
+            return
+        self.large.submit(t, LARGE, *self.req_answer, self._agent_done, q)
+
+    def _search_round(self, q: int, t: float) -> None:
+        g = self.costs.search_cells
+        self.cells_left[q] = g
+        for _ in range(g):
+            self.large.submit(t, LARGE, *self.req_cell, self._search_cell_done, q)
+
+    def _search_cell_done(self, q: int, t: float) -> None:
+        self.cells_left[q] -= 1
+        if self.cells_left[q]:
+            return
+        self.turn[q] += 1
+        self._search_next(q, t)
+
     def _agent_done(self, q: int, t: float) -> None:
         self._complete(q, t)
         if self.schedule == "published":
@@ -302,6 +364,14 @@ class _Run:
     def _spec_start(self, q: int, t: float) -> None:
         j = self.judge
         self.state[q] = 0
+        if self.sequential:
+            big = j in ("large", "prefix")
+            req = self.req_small_judge if j == "small" else (
+                self.req_judge if j == "large" else self.req_prefix_judge
+            )
+            self._submit(self.large if big else self.small, t, LARGE if big else SMALL, req,
+                         self._spec_judged_first, q, image=True)
+            return
         if j == "none":
             self.state[q] = 1  # nothing to judge: the gate decides on the answer alone
         elif j == "large":
@@ -313,6 +383,17 @@ class _Run:
         # the small answer is wasted when the judge says "tool"; it is cheap and on its own GPU
         cb = self._spec_answered_then_judge if j == "small-prefix" else self._spec_answered
         self._submit(self.small, t, SMALL, self.req_small, cb, q, image=True)
+
+    def _spec_judged_first(self, q: int, t: float) -> None:
+        if self.tool[q]:
+            self._spec_judged(q, t)  # to the agent
+            return
+        self._submit(self.small, t, SMALL, self.req_small, self._spec_answered_last, q,
+                     image=True)
+
+    def _spec_answered_last(self, q: int, t: float) -> None:
+        self.state[q] |= 2
+        self._spec_judged(q, t)  # tool-free and answered: the gate
 
     def _spec_answered_then_judge(self, q: int, t: float) -> None:
         # the answer's prompt is cached now: the judge question continues it (one image prefill)
@@ -337,6 +418,137 @@ class _Run:
             self._complete(q, t)
         else:
             self._agent_start(q, t)
+
+    # the funnel's pipelined schedule: one front batch at a time (phases I-III, each phase
+    # waiting for the whole batch), and one agent driver stepping every active loop together
+    def _pipe_arrive(self, q: int, t: float) -> None:
+        self.arrived[q] = t
+        self.front_q.append(q)
+        if not self.front_busy:
+            self._front_next(t)
+
+    def _front_next(self, t: float) -> None:
+        if not self.front_q:
+            self.front_busy = False
+            return
+        self.front_busy = True
+        # a batch closes when it is full or its oldest request has waited front_wait_s
+        start = self.arrived[self.front_q[0]] + self.costs.front_wait_s
+        if start > t and len(self.front_q) < self.costs.front_batch:
+            self.sim.at(start, self._front_open, 0)
+            return
+        self._front_open(0, t)
+
+    def _front_open(self, _: int, t: float) -> None:
+        k = min(self.costs.front_batch, len(self.front_q))
+        batch = [self.front_q.popleft() for _ in range(k)]
+        self.front_now = batch
+        if self.schedule == "agent-only":  # no phase I-III call: all of it to the agent
+            self._front_route(t, [])
+            return
+        if self.judge == "none":
+            self._front_answers(t, batch)
+            return
+        big = self.judge in ("large", "prefix")
+        req = self.req_small_judge if self.judge == "small" else (
+            self.req_judge if self.judge == "large" else self.req_prefix_judge
+        )
+        self.front_left = len(batch)
+        for q in batch:
+            self._submit(self.large if big else self.small, t, LARGE if big else SMALL, req,
+                         self._front_judged, q, image=True)
+
+    def _front_judged(self, q: int, t: float) -> None:
+        self.front_left -= 1
+        if not self.front_left:
+            free = [x for x in self.front_now if not self.tool[x]]
+            if free:
+                self._front_answers(t, free)
+            else:
+                self._front_route(t, [])
+
+    def _front_answers(self, t: float, which: list[int]) -> None:
+        self.front_left = len(which)
+        for q in which:
+            self._submit(self.small, t, SMALL, self.req_small, self._front_answered, q,
+                         image=True)
+
+    def _front_answered(self, q: int, t: float) -> None:
+        self.front_left -= 1
+        if not self.front_left:
+            free = self.front_now if self.judge == "none" else [
+                x for x in self.front_now if not self.tool[x]
+            ]
+            self._front_route(t, [x for x in free if self.accept[x]])
+
+    def _front_route(self, t: float, accepted: list[int]) -> None:
+        ok = set(accepted)
+        for q in self.front_now:
+            if q in ok:
+                self._complete(q, t)
+            else:
+                self.agent_q.append(q)
+        if not self.driver_busy:
+            self._driver_step(t)
+        self._front_next(t)
+
+    def _driver_step(self, t: float) -> None:
+        while self.agent_q and len(self.loops) < self.costs.max_agent_loops:
+            q = self.agent_q.popleft()
+            self.turn[q] = 0
+            self.loops.append(q)
+        if not self.loops:
+            self.driver_busy = False
+            return
+        self.driver_busy = True
+        searching = [q for q in self.loops if self.turn[q] < self.costs.search_depth]
+        if not searching:
+            self._driver_answers(t)
+            return
+        # the app cuts and encodes every searching loop's crops, one after another, first
+        crop_s = self.costs.tool_s * len(searching)
+        if self.costs.client_cpu_on_engine and crop_s > 0:
+            self.large.submit_cpu(t, crop_s, self._driver_cells, 0)
+        else:
+            self.sim.at(t + crop_s, self._driver_cells, 0)
+
+    def _driver_cells(self, _: int, t: float) -> None:
+        searching = [q for q in self.loops if self.turn[q] < self.costs.search_depth]
+        g = self.costs.search_cells
+        self.step_left = g * len(searching)
+        for q in searching:
+            for _ in range(g):
+                self.large.submit(t, LARGE, *self.req_cell, self._driver_cell_done, q)
+
+    def _driver_cell_done(self, q: int, t: float) -> None:
+        self.step_left -= 1
+        if self.step_left:
+            return
+        for x in self.loops:
+            if self.turn[x] < self.costs.search_depth:
+                self.turn[x] += 1
+        self._driver_answers(t)
+
+    def _driver_answers(self, t: float) -> None:
+        # a loop whose last round just ended answers in the same step, after the cells
+        ans = [q for q in self.loops if self.turn[q] >= self.costs.search_depth]
+        self.step_answering = ans
+        if not ans:
+            self._driver_step(t)
+            return
+        self.step_left = len(ans)
+        for q in ans:
+            self.large.submit(t, LARGE, *self.req_answer, self._driver_answered, q)
+
+    def _driver_answered(self, q: int, t: float) -> None:
+        self.step_left -= 1
+        if self.step_left:
+            return
+        done = set(self.step_answering)
+        self.loops = [x for x in self.loops if x not in done]
+        for x in self.step_answering:
+            self._complete(x, t)
+        self._driver_step(t)
 
     # published: batch phases I, II, III, then phase IV serially, then the next batch
     def _pub_enqueue(self, q: int, t: float) -> None:

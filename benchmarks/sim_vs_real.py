@@ -1,0 +1,207 @@
+"""The simulator against the real engine: predicted and measured throughput ratios per mode and C.
+
+Reads a ``benchmarks/bench_load_vllm.py`` results file (rows of mode, concurrency, qps,
+small_share, ...) and a costs file (``benchmarks/measure_vllm_costs.py``), and runs
+``speceyes simulate``'s engine for the same modes and concurrencies the way the benchmark ran
+them: each cell is ``--batches`` closed-loop batches of the benchmark's size (max(4C, 8)
+requests from C clients; the wall time includes each batch's drain), throughput = requests over
+the batches' summed makespans.
+
+Rates per mode: the points file gives each judge variant's beta (the share its judge calls
+tool-free) and alpha; the share the small model answered in the real row (``small_share``) then
+sets alpha = share / beta (``none``: the share the gate accepts among the queries a judge would
+send to tools, alpha_tool, takes the rest), so the simulated share skipping the agent is the
+measured one. ``speceyes/auto`` is predicted as the mix of its points that the row records:
+its throughput is the harmonic mean of the static variants' predictions, weighted by the share
+of queries each point answered (the agent-only point is agent-only).
+
+Prints, per C and mode, the measured and predicted ratio to agent-only at the same C, the
+relative error and whether it is within ``--tolerance`` (15%); also the absolute queries/s.
+
+    python benchmarks/sim_vs_real.py --real runs/bench-load-auto9/results.json \\
+        --costs runs/vllm-costs/costs.json [--points runs/pts/points-lp-0.1.json] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+AGENT_ONLY = "agent-only"
+AUTO = "speceyes/auto"
+
+
+def rates_for(judge: str, share: float, point: dict[str, Any] | None) -> tuple[float, float, float]:
+    """(beta, alpha, alpha_tool) whose share skipping the agent is ``share``."""
+    beta = float(point["beta"]) if point else 0.5
+    alpha = float(point["alpha"]) if point else 1.0
+    share = min(max(share, 0.0), 1.0)
+    if judge == "none":
+        if share <= beta * alpha:  # the gate accepts less than its calibrated rate
+            return beta, share / beta if beta else 0.0, 0.0
+        return beta, alpha, min((share - beta * alpha) / (1 - beta), 1.0) if beta < 1 else 0.0
+    if share > beta:  # more answered than judged tool-free: the judge called more tool-free
+        return share, 1.0, 0.0
+    return beta, share / beta if beta else 0.0, 0.0
+
+
+# requests per mode and round at each C, read from the real run (its --requests / the default
+# of the benchmark version that made it); a cell's drain depends on it
+PER_ROUND: dict[int, int] = {}
+
+
+def simulate_cell(
+    costs: Any, judge: str | None, c: int, rates: tuple[float, float, float], batches: int,
+    seed: int,
+) -> float:
+    """Queries/s of agent-only (judge None) or ours with ``judge`` over ``batches`` batches
+    of the benchmark's size at concurrency ``c``."""
+    from speceyes.simulate import draw, simulate_one
+
+    n = PER_ROUND.get(c, max(4 * c, 8))
+    beta, alpha, alpha_tool = rates
+    total_s = 0.0
+    for b in range(batches):
+        d = draw(costs, n, beta, alpha, seed + b, alpha_tool)
+        if judge is None:
+            r = simulate_one("agent-only", costs, d, c)
+        else:
+            r = simulate_one("speceyes", costs, d, c, judge=judge)
+        total_s += r.makespan
+    return n * batches / total_s
+
+
+def compare(
+    rows: list[dict[str, Any]], costs: Any, points: dict[str, dict[str, Any]], batches: int,
+    seed: int, tolerance: float,
+) -> list[dict[str, Any]]:
+    """One line per real row: measured and predicted queries/s and ratio to agent-only."""
+    out: list[dict[str, Any]] = []
+    for c in sorted({int(r["concurrency"]) for r in rows}):
+        here = {r["mode"]: r for r in rows if int(r["concurrency"]) == c and r.get("qps")}
+        if AGENT_ONLY not in here:
+            continue
+        base_real = float(here[AGENT_ONLY]["qps"])
+        base_sim = simulate_cell(costs, None, c, (1.0, 0.0, 0.0), batches, seed)
+        predicted: dict[str, float] = {AGENT_ONLY: base_sim, "speceyes/agent": base_sim}
+        for mode, r in here.items():
+            if not mode.startswith("speceyes/") or mode == AUTO:
+                continue
+            judge = mode.split("/", 1)[1]
+            rates = rates_for(judge, float(r.get("small_share") or 0.0), points.get(judge))
+            predicted[mode] = simulate_cell(costs, judge, c, rates, batches, seed)
+        if AUTO in here:
+            predicted[AUTO] = _auto_mix(here[AUTO], predicted, costs, c, points, batches, seed)
+        for mode, r in here.items():
+            if mode not in predicted or math.isnan(predicted[mode]):
+                continue
+            real = float(r["qps"]) / base_real
+            sim = predicted[mode] / base_sim
+            err = sim / real - 1.0
+            out.append({
+                "concurrency": c, "mode": mode, "real_qps": float(r["qps"]),
+                "sim_qps": predicted[mode], "real_ratio": real, "sim_ratio": sim,
+                "rel_error": err, "within": abs(err) <= tolerance,
+                "small_share": r.get("small_share"),
+            })  # fmt: skip
+    return out
+
+
+def _auto_mix(
+    row: dict[str, Any], predicted: dict[str, float], costs: Any, c: int,
+    points: dict[str, dict[str, Any]], batches: int, seed: int,
+) -> float:
+    """Harmonic mix of the points auto ran (a query served at a point costs what it costs
+    there); a point the static modes did not cover runs at its calibrated rates."""
+    counts = {str(k): int(v) for k, v in (row.get("points") or {}).items()}
+    total = sum(counts.values())
+    if not total:
+        return math.nan
+    inv = 0.0
+    for name, k in counts.items():
+        key = f"speceyes/{name}"
+        if key not in predicted:
+            p = points.get(name)
+            share = float(p["beta"]) * float(p["alpha"]) if p else 0.0
+            predicted[key] = simulate_cell(costs, name, c, rates_for(name, share, p), batches,
+                                           seed)
+        inv += k / total / predicted[key]
+    return 1.0 / inv
+
+
+def format_table(lines: list[dict[str, Any]], tolerance: float) -> str:
+    out = [
+        "| C | mode | measured q/s | simulated q/s | measured x agent-only | simulated x "
+        f"agent-only | error | within {tolerance:.0%} |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for x in lines:
+        out.append(
+            f"| {x['concurrency']} | {x['mode']} | {x['real_qps']:.2f} | {x['sim_qps']:.2f} "
+            f"| {x['real_ratio']:.2f} | {x['sim_ratio']:.2f} | {x['rel_error']:+.1%} | "
+            f"{'yes' if x['within'] else 'no'} |"
+        )
+    cs = sorted({x["concurrency"] for x in lines})
+    out.append("")
+    for c in cs:
+        mine = [x for x in lines if x["concurrency"] == c and x["mode"] != AGENT_ONLY]
+        worst = max(mine, key=lambda x: abs(x["rel_error"])) if mine else None
+        ok = all(x["within"] for x in mine)
+        out.append(
+            f"C={c}: {'met' if ok else 'missed'} ({sum(x['within'] for x in mine)}/{len(mine)}"
+            f" modes within {tolerance:.0%}"
+            + (f"; largest error {worst['rel_error']:+.1%}, {worst['mode']}" if worst else "")
+            + ")"
+        )
+    return "\n".join(out)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--real", type=Path, default=ROOT / "runs" / "bench-load-auto9" / "results.json")
+    ap.add_argument("--costs", type=Path, default=ROOT / "runs" / "vllm-costs" / "costs.json")
+    ap.add_argument("--points", type=Path, default=ROOT / "runs" / "pts" / "points-lp-0.1.json")
+    ap.add_argument("--batches", type=int, default=16, help="simulated batches per cell")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tolerance", type=float, default=0.15)
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=JSON",
+                    help="override a cost field for a what-if (e.g. phase_overlap=true)")
+    ap.add_argument("--out", type=Path, default=None, help="also write the lines as JSON")
+    args = ap.parse_args()
+
+    from speceyes.simulate import CostModel
+
+    real = json.loads(args.real.read_text())
+    rows = real["rows"]
+    rounds = int((real.get("args") or {}).get("rounds") or 1)
+    for r in rows:
+        if r["mode"] == AGENT_ONLY and r.get("requests"):
+            PER_ROUND[int(r["concurrency"])] = max(1, int(r["requests"]) // rounds)
+    costs = CostModel.from_file(args.costs)
+    for item in args.set:
+        key, _, value = item.partition("=")
+        costs = replace(costs, **{key: json.loads(value)})
+    costs.validate()
+    points: dict[str, dict[str, Any]] = {}
+    if args.points and args.points.is_file():
+        for p in json.loads(args.points.read_text())["points"]:
+            points.setdefault(p["judge"], p)
+    lines = compare(rows, costs, points, args.batches, args.seed, args.tolerance)
+    print(f"real: {args.real}; costs: {args.costs}; {args.batches} simulated batches per cell")
+    print(format_table(lines, args.tolerance))
+    if args.out:
+        args.out.write_text(json.dumps(lines, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
