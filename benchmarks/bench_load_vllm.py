@@ -20,8 +20,9 @@ Modes are interleaved in time: for each C, ``--rounds`` rounds, and in each roun
 serves one batch of requests in turn (the order rotates by round), so load from other processes
 on the machine falls on all modes alike. Per mode and C it prints throughput (queries/s over
 that mode's batches), client-side p50/p95 latency, accuracy, the share answered by the small
-model, and throughput and p50 against agent-only at the same C. Writes OUT/results.json and
-OUT/table.md. The vLLM servers are always stopped (their process groups), also on Ctrl-C,
+model, and throughput and p50 against agent-only at the same C. Writes OUT/results.json,
+OUT/table.md and, with ``--points``, OUT/auto-decisions.log (each of auto's choices, why, and
+the times it compared). The vLLM servers are always stopped (their process groups), also on Ctrl-C,
 SIGTERM or SIGHUP.
 
     python benchmarks/bench_load_vllm.py [--concurrency 1,4,16] [--with-64] [--rounds 3]
@@ -36,6 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import platform
 import random
@@ -367,6 +369,12 @@ def main() -> int:
         return 2
     _signals_as_interrupt()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.points is not None:  # auto's every decision and the times it compared
+        handler = logging.FileHandler(args.out / "auto-decisions.log", mode="w")
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+        chooser_log = logging.getLogger("speceyes.operating_points")
+        chooser_log.addHandler(handler)
+        chooser_log.setLevel(logging.DEBUG)
     t_all = time.perf_counter()
     servers: list[Any] = []
     apps: list[ServerThread] = []
@@ -414,7 +422,9 @@ def main() -> int:
                         cell.samples += got
                         cell.errors += errs
                         cell.wall_s += wall
-                        print(f"C={c} round {r} {m.label}: {len(got)} in {wall:.1f} s", flush=True)
+                        line = f"C={c} round {r} {m.label}: {len(got)} in {wall:.1f} s"
+                        logging.getLogger("speceyes.operating_points").info(line)
+                        print(line, flush=True)
     finally:
         for a in apps:
             a.stop()

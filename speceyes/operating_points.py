@@ -22,6 +22,7 @@ time its queries spend in the system at each point and load.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import threading
 from collections.abc import Callable, Sequence
@@ -30,6 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from speceyes.types import JUDGES
+
+log = logging.getLogger(__name__)
 
 AUTO = "auto"  # the judge setting that picks among operating points by load
 # The point that skips phases I-III: every query goes straight to the agent loop. Where the
@@ -315,18 +318,22 @@ class PointChooser:
             measured = [p for p in self.points if times[p.name] is not None]
             stale = [p for p in measured if self._batches - self._last[p.name] > self._wait[p.name]]
             if untried:
-                picked = untried[0]
+                picked, why = untried[0], "first in band"
             elif stale:
-                picked = min(stale, key=lambda p: self._last[p.name])
+                picked, why = min(stale, key=lambda p: self._last[p.name]), "re-run"
                 self._wait[picked.name] = min(2 * self._wait[picked.name], self.EXPLORE_MAX)
             elif measured:
-                picked = min(measured, key=lambda p: times[p.name] or 0.0)
+                picked, why = min(measured, key=lambda p: times[p.name] or 0.0), "least time"
                 self._wait[picked.name] = self.EXPLORE_EVERY  # the rule wants it: renew it often
             else:  # every point is on its way, none has finished a query yet
-                picked = max(self.points, key=lambda p: self._last[p.name])
+                picked, why = max(self.points, key=lambda p: self._last[p.name]), "none measured"
             self._tried.add((picked.name, band))
             self._last[picked.name] = self._batches
-            return picked
+        if log.isEnabledFor(logging.DEBUG):  # why this point: the times the rule compared
+            shown = ", ".join(f"{k} {'-' if t is None else f'{t:.3f}s'}" for k, t in times.items())
+            log.debug("batch %d, %d in flight (band %d): %s (%s); %s", self._batches,
+                      in_flight, band, picked.name, why, shown)
+        return picked
 
     def observe(
         self, point: OperatingPoint, in_flight: int, seconds: float, early: bool = False
