@@ -27,7 +27,21 @@ SIGTERM or SIGHUP.
 
     python benchmarks/bench_load_vllm.py [--concurrency 1,4,16] [--with-64] [--rounds 3]
         [--requests 0] [--settle -1] [--scenes 2] [--judges large,prefix,none] [--points FILE]
-        [--out runs/bench-load-vllm]
+        [--placement split] [--equal-hardware] [--out runs/bench-load-vllm]
+
+Placement (``--placement``). ``split`` (default) binds each server's engine threads to cores of
+its own (the small model the first half of this process's cores, the large model the rest);
+``shared`` keeps vLLM's own binding, which on one NUMA node puts both engines on the same cores.
+vLLM's CPU worker busy-polls its input queue for a second after each step
+(``SpinCondition.busy_loop_s`` in ``vllm/distributed/device_communicators/shm_broadcast.py``),
+so under ``shared`` the engine that served last takes the core from the other for that second:
+here a large-model request of 23 ms alone took 370 ms when sent 50 ms after a small-model one,
+and a small-model request 420 ms right after a large-model one (``split``: 41 and 32 ms). On a
+GPU that poll runs on a host core and slows no kernel, so ``split``, a device per model, is
+the analogue of a GPU deployment; ``shared`` measures the CPU build's artefact. With
+``--equal-hardware`` a third server runs the large model on every core, and the mode
+``agent-only/all`` sends agent-only's queries to it: agent-only on the hardware both of
+SpecEyes' servers hold.
 
 The vLLM environment is ``.venv-vllm`` (``bash tests/vllm_env/setup.sh``) or ``--vllm-python``.
 """
@@ -70,6 +84,8 @@ from speceyes.operating_points import AUTO  # noqa: E402
 from speceyes.types import Query  # noqa: E402
 
 AGENT_ONLY = "agent-only"
+AGENT_ONLY_ALL = "agent-only/all"  # --equal-hardware: agent-only on a server that has every core
+PLACEMENTS = ("split", "shared")
 SMALL_ROUTE = "small"  # the route of an answer the small model gave (gate accepted)
 CLIENT_TIMEOUT_S = 900.0
 MIN_REQUESTS = 32  # per mode and round, whatever C: a round must outlast this machine's jitter
@@ -80,6 +96,7 @@ class Mode:
     label: str
     mode: str  # the funnel's mode
     judge: str | None = None  # the judge variant (speceyes mode only)
+    large: str = "large"  # the large model's server: "large", or "large-all" (every core)
 
 
 @dataclass
@@ -125,10 +142,28 @@ class Cell:
         }
 
 
-def modes_of(judges: list[str], auto: bool = False) -> list[Mode]:
+def modes_of(judges: list[str], auto: bool = False, equal_hardware: bool = False) -> list[Mode]:
     static = [Mode(f"speceyes/{j}", "speceyes", j) for j in judges]
     extra = [Mode(f"speceyes/{AUTO}", "speceyes", AUTO)] if auto else []
-    return [Mode(AGENT_ONLY, "agent"), *static, *extra]
+    wide = [Mode(AGENT_ONLY_ALL, "agent", large="large-all")] if equal_hardware else []
+    return [Mode(AGENT_ONLY, "agent"), *wide, *static, *extra]
+
+
+def core_sets(placement: str, cores: list[int] | None = None) -> dict[str, str | None]:
+    """The cores each server's engine is bound to (``VLLM_CPU_OMP_THREADS_BIND``; None: vLLM's
+    own binding): ``split`` gives the small model the first half of ``cores`` (default: the
+    cores this process may run on) and the large model the rest; ``large-all`` has them all."""
+    if placement not in PLACEMENTS:
+        raise ValueError(f"unknown placement {placement!r}; choose from {', '.join(PLACEMENTS)}")
+    cores = sorted(os.sched_getaffinity(0)) if cores is None else sorted(cores)
+    every = ",".join(map(str, cores))
+    if placement == "shared":
+        return {"small": None, "large": None, "large-all": every}
+    if len(cores) < 2:
+        raise ValueError(f"--placement split needs at least 2 cores, this process has {cores}")
+    half = len(cores) // 2
+    return {"small": ",".join(map(str, cores[:half])), "large": ",".join(map(str, cores[half:])),
+            "large-all": every}
 
 
 def question_set(out: Path, scenes: int, seed: int) -> list[Query]:
@@ -227,12 +262,19 @@ async def closed_loop(
     return samples, errors, time.perf_counter() - t0
 
 
-def start_servers(log_dir: Path, timeout: float) -> list[Any]:
-    """The small and large model servers, launched together (start-up is mostly waiting) from
-    this thread (the one that outlives them), then waited for."""
+def start_servers(
+    log_dir: Path, timeout: float, placement: str = "split", names: tuple[str, ...] = ()
+) -> list[Any]:
+    """The small and large model servers (and those ``names`` adds, such as ``large-all``),
+    bound to their cores (:func:`core_sets`), launched together (start-up is mostly waiting)
+    from this thread (the one that outlives them), then waited for."""
     from tests.vllm_support import launch_server, wait_ready
 
-    servers = [launch_server(MODELS_DIR / n, log_dir / f"vllm-{n}.log") for n in ("small", "large")]
+    cpus = core_sets(placement)
+    servers = [
+        launch_server(MODELS_DIR / n.split("-")[0], log_dir / f"vllm-{n}.log", cpus=cpus[n])
+        for n in ("small", "large", *names)
+    ]
     try:
         for s in servers:
             wait_ready(s, timeout)
@@ -280,7 +322,22 @@ def table(rows: list[dict[str, Any]]) -> str:
             f" | {f(r['accuracy'], '.1%')} | {f(r['small_share'], '.0%')}"
             f" | {_points_text(r.get('points') or {})} |"
         )
-    return "\n".join(out + auto_lines(rows))
+    return "\n".join(out + auto_lines(rows) + equal_hardware_lines(rows))
+
+
+def equal_hardware_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """Per C, with ``--equal-hardware``: every other mode against agent-only on every core."""
+    out = []
+    for c in sorted({r["concurrency"] for r in rows}):
+        at = {r["mode"]: r for r in rows if r["concurrency"] == c and r["qps"]}
+        wide = at.get(AGENT_ONLY_ALL)
+        if wide is None:
+            continue
+        others = ", ".join(
+            f"{m} {r['qps'] / wide['qps']:.2f}x" for m, r in at.items() if m != AGENT_ONLY_ALL
+        )
+        out.append(f"C={c}: against {AGENT_ONLY_ALL} ({wide['qps']:.2f} queries/s): {others}")
+    return [""] + out if out else []
 
 
 def _points_text(points: dict[str, int]) -> str:
@@ -341,6 +398,15 @@ def main() -> int:
         help="operating points (calibrate --operating-points): adds speceyes/auto, and the "
         "static variants run at their points' taus",
     )
+    ap.add_argument(
+        "--placement", choices=PLACEMENTS, default="split",
+        help="split: each server's engine on cores of its own (a device per model); shared: "
+        "vLLM's own binding, both engines on the same cores (see the module docstring)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--equal-hardware", action="store_true",
+        help=f"also {AGENT_ONLY_ALL}: agent-only on a third server that has every core",
+    )  # fmt: skip
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-load-vllm")
     ap.add_argument("--start-timeout", type=float, default=600.0, help="seconds per server")
     ap.add_argument(
@@ -356,7 +422,11 @@ def main() -> int:
     judges = [j.strip() for j in args.judges.split(",") if j.strip()]
     if any(j not in JUDGES for j in judges):
         ap.error(f"--judges takes {', '.join(JUDGES)}")
-    modes = modes_of(judges, auto=args.points is not None)
+    modes = modes_of(judges, auto=args.points is not None, equal_hardware=args.equal_hardware)
+    try:
+        cpus = core_sets(args.placement)
+    except ValueError as e:
+        ap.error(str(e))
 
     from speceyes.serve import create_app
     from tests import vllm_support
@@ -390,13 +460,16 @@ def main() -> int:
                 flush=True,
             )
             t0 = time.perf_counter()
-            servers = start_servers(args.out, args.start_timeout)
+            extra = ("large-all",) if args.equal_hardware else ()
+            servers = start_servers(args.out, args.start_timeout, args.placement, extra)
             start_s = time.perf_counter() - t0
-            print(f"vLLM servers up in {start_s:.0f} s", flush=True)
-            small_url, large_url = servers[0].url, servers[1].url
+            where = ", ".join(f"{n} on cores {cpus[n] or 'of vLLM'}" for n in ("small", "large", *extra))
+            print(f"vLLM servers up in {start_s:.0f} s ({where})", flush=True)
+            server_url = dict(zip(("small", "large", *extra), (s.url for s in servers), strict=True))
             urls = {}
             for m in modes:
-                funnel = build_funnel(settings_for(m, small_url, large_url, args.points))
+                large_url = server_url[m.large]
+                funnel = build_funnel(settings_for(m, server_url["small"], large_url, args.points))
                 srv = ServerThread(create_app(funnel, max_queue=1024, request_timeout=None))
                 apps.append(srv.start())
                 urls[m.label] = srv.url
@@ -441,6 +514,8 @@ def main() -> int:
         "server_start_s": round(start_s, 1),
         "total_s": round(total_s, 1),
         "cpus": os.cpu_count(),
+        "placement": args.placement,
+        "server_cores": {n: cpus[n] for n in ("small", "large", *extra)},
         "load_avg": os.getloadavg(),
         "machine": platform.platform(),
         "modes": [asdict(m) for m in modes],

@@ -458,6 +458,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "vllm-costs")
     ap.add_argument("--reps", type=int, default=3, help="repetitions per timed point")
+    ap.add_argument("--placement", choices=("split", "shared"), default="split",
+                    help="the servers' cores, as bench_load_vllm.py --placement places them")
     ap.add_argument("--start-timeout", type=float, default=600.0, help="seconds per server")
     ap.add_argument("--vllm-python", type=Path, default=None,
                     help="the vLLM environment's python (default: .venv-vllm/bin/python)")
@@ -498,7 +500,7 @@ def main() -> int:
             images = Images(sorted({q.image for q in queries}))
             crop_s, view_s = crop_cpu_s(images), view_cpu_s(images)
             t0 = time.perf_counter()
-            servers = blv.start_servers(args.out, args.start_timeout)
+            servers = blv.start_servers(args.out, args.start_timeout, args.placement)
             print(f"vLLM servers up in {time.perf_counter() - t0:.0f} s", flush=True)
             got = {}
             for role, srv in zip(("small", "large"), servers, strict=True):

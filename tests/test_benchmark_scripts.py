@@ -79,3 +79,28 @@ def test_load_benchmark_reports_autos_points_per_load_band(tmp_path):
     assert line.endswith("points by load band: band 1: agent 100%; band 2: large 14%, none 86%")
     queries = bench.question_set(tmp_path / "mw", 2, 0)
     assert len(queries) == 16 and len({q.image for q in queries[:8]}) == 2  # a round mixes both
+
+
+def test_load_benchmark_places_each_engine_on_cores_of_its_own():
+    """``split`` gives the two engines disjoint cores (an idle vLLM CPU worker busy-polls its
+    core for a second, so engines on one core slow each other); ``shared`` is vLLM's own."""
+    bench = _load(BENCHMARKS / "bench_load_vllm.py")
+    assert bench.core_sets("split", [0, 1]) == {"small": "0", "large": "1", "large-all": "0,1"}
+    four = bench.core_sets("split", [3, 0, 2, 1])
+    assert (four["small"], four["large"], four["large-all"]) == ("0,1", "2,3", "0,1,2,3")
+    assert bench.core_sets("shared", [0, 1])["small"] is None
+    with pytest.raises(ValueError, match="at least 2 cores"):
+        bench.core_sets("split", [0])
+    with pytest.raises(ValueError, match="unknown placement"):
+        bench.core_sets("apart", [0, 1])
+    labels = [m.label for m in bench.modes_of(["none"], equal_hardware=True)]
+    assert labels == ["agent-only", "agent-only/all", "speceyes/none"]
+    assert bench.modes_of(["none"], equal_hardware=True)[1].large == "large-all"
+    rows = [
+        {"mode": "agent-only", "concurrency": 16, "qps": 2.0},
+        {"mode": "agent-only/all", "concurrency": 16, "qps": 2.5},
+        {"mode": "speceyes/none", "concurrency": 16, "qps": 5.0},
+    ]
+    line = bench.equal_hardware_lines(rows)[-1]
+    assert line == ("C=16: against agent-only/all (2.50 queries/s): agent-only 0.80x, "
+                    "speceyes/none 2.00x")

@@ -181,14 +181,20 @@ def start_server(model: Path, log: Path, timeout: float = START_TIMEOUT) -> VLLM
     return wait_ready(launch_server(model, log), timeout)
 
 
-def launch_server(model: Path, log: Path, names: Sequence[str] = ()) -> VLLMServer:
+def launch_server(
+    model: Path, log: Path, names: Sequence[str] = (), cpus: str | None = None
+) -> VLLMServer:
     """Start a server serving the model folder ``model`` (log to ``log``) without waiting for
     it. Call from the thread that outlives the server: Linux delivers the parent-death signal
-    when the *thread* that started the child exits."""
+    when the *thread* that started the child exits. ``cpus``: the cores its engine's threads
+    are bound to (``VLLM_CPU_OMP_THREADS_BIND``, for example ``"1"`` or ``"2-3"``); default
+    vLLM's own choice, which on one NUMA node binds every server to the same cores."""
     from tests.test_openai_logic import free_port  # here: a test module, imported after collection
 
     port = free_port()
     env = {**os.environ, **vllm_env()}
+    if cpus is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpus
     out = log.open("wb")
     try:
         proc = subprocess.Popen(
