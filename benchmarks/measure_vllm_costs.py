@@ -279,9 +279,11 @@ async def measure_server(url: str, model: str, images: Images, queries: list[Any
 
 
 def derive(
-    large: dict[str, Any], small: dict[str, Any], crop_s: float, view_s: float
+    large: dict[str, Any], small: dict[str, Any], crop_s: float, view_s: float,
+    placement: str = "shared",
 ) -> dict[str, Any]:
-    """CostModel fields from both servers' measurements (see the module docstring)."""
+    """CostModel fields from both servers' measurements (see the module docstring);
+    ``placement``: the servers' cores (``split``: a device per model)."""
     from speceyes.miniworld.demo import MODELS_DIR
 
     out: dict[str, Any] = {}
@@ -341,7 +343,8 @@ def derive(
         return kind["prompt"] - kind["cached_first"]
 
     out.update({
-        "shared_gpu": True,  # both servers and every client share the same CPU cores
+        # shared: both engines on the same cores; split: each on cores of its own
+        "shared_gpu": placement == "shared",
         "prefix_caching": True,
         "warm_cache": True,  # the benchmark cycles through 16 questions after a warm-up
         "phase_overlap": False,  # the funnel's default: the judge, then the small answer
@@ -477,8 +480,9 @@ def main() -> int:
                 queries = blv.question_set(Path(tmp) / "mw", 2, 0)
                 saved["view_s"] = view_cpu_s(Images(sorted({q.image for q in queries})))
             args.source.write_text(json.dumps(saved, indent=2, default=str))
+        # measurements from before --placement existed were taken on shared cores
         return write_costs(args.out, saved["large"], saved["small"], saved["crop_round_s"],
-                           saved["view_s"])
+                           saved["view_s"], saved.get("placement", "shared"))
 
     import bench_load_vllm as blv
 
@@ -513,19 +517,20 @@ def main() -> int:
             s.stop()
     meta = {"command": " ".join([Path(sys.executable).name, *sys.argv]),
             "total_s": round(time.perf_counter() - t_all, 1), "load_avg": os.getloadavg(),
-            "cpus": os.cpu_count()}
+            "cpus": os.cpu_count(), "placement": args.placement}
     # the raw timings first: a costs file can always be derived again from them (--from)
     (args.out / "measurements.json").write_text(
         json.dumps({**meta, "crop_round_s": crop_s, "view_s": view_s, **got}, indent=2,
                    default=str))
     print(f"measured in {meta['total_s']:.0f} s; wrote {args.out}/measurements.json")
-    return write_costs(args.out, got["large"], got["small"], crop_s, view_s)
+    return write_costs(args.out, got["large"], got["small"], crop_s, view_s, args.placement)
 
 
 def write_costs(
-    out: Path, large: dict[str, Any], small: dict[str, Any], crop_s: float, view_s: float
+    out: Path, large: dict[str, Any], small: dict[str, Any], crop_s: float, view_s: float,
+    placement: str = "shared",
 ) -> int:
-    costs = derive(large, small, crop_s, view_s)
+    costs = derive(large, small, crop_s, view_s, placement)
     md = table(costs, large, small)
     print(md)
     fields = {k: v for k, v in costs.items() if not k.startswith("_")}
