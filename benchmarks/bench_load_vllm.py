@@ -27,7 +27,7 @@ SIGTERM or SIGHUP.
 
     python benchmarks/bench_load_vllm.py [--concurrency 1,4,16] [--with-64] [--rounds 3]
         [--requests 0] [--settle -1] [--scenes 2] [--judges large,prefix,none] [--points FILE]
-        [--placement split] [--equal-hardware] [--out runs/bench-load-vllm]
+        [--placement split] [--executor uni] [--equal-hardware] [--out runs/bench-load-vllm]
 
 Placement (``--placement``). ``split`` (default) binds each server's engine threads to cores of
 its own (the small model the first half of this process's cores, the large model the rest);
@@ -38,7 +38,14 @@ so under ``shared`` the engine that served last takes the core from the other fo
 here a large-model request of 23 ms alone took 370 ms when sent 50 ms after a small-model one,
 and a small-model request 420 ms right after a large-model one (``split``: 41 and 32 ms). On a
 GPU that poll runs on a host core and slows no kernel, so ``split``, a device per model, is
-the analogue of a GPU deployment; ``shared`` measures the CPU build's artefact. With
+the analogue of a GPU deployment; ``shared`` measures the CPU build's artefact.
+
+Executor (``--executor``). Even on cores of its own, the engine that served last spins on its
+core for that second, and the app and the other server's front processes, which are bound to
+no core, lose it: an agent-only loop of 0.41 s took 0.81 s when it followed a small-model
+request, and 0.42 s after 1.5 s of quiet. ``uni`` (default) runs each engine's worker inside
+its engine-core process, with no shared-memory queue to poll; there the same loop took 0.41 s
+after a small-model request. ``mp`` is vLLM's CPU default. With
 ``--equal-hardware`` a third server runs the large model on every core, and the mode
 ``agent-only/all`` sends agent-only's queries to it: agent-only on the hardware both of
 SpecEyes' servers hold.
@@ -263,18 +270,24 @@ async def closed_loop(
 
 
 def start_servers(
-    log_dir: Path, timeout: float, placement: str = "split", names: tuple[str, ...] = ()
+    log_dir: Path,
+    timeout: float,
+    placement: str = "split",
+    names: tuple[str, ...] = (),
+    executor: str = "uni",
 ) -> list[Any]:
     """The small and large model servers (and those ``names`` adds, such as ``large-all``),
-    bound to their cores (:func:`core_sets`), launched together (start-up is mostly waiting)
-    from this thread (the one that outlives them), then waited for."""
+    bound to their cores (:func:`core_sets`), with ``executor`` (``tests.vllm_support``'s
+    ``EXECUTORS``), launched together (start-up is mostly waiting) from this thread (the one
+    that outlives them), then waited for."""
     from tests.vllm_support import launch_server, wait_ready
 
     cpus = core_sets(placement)
     servers = [
-        launch_server(MODELS_DIR / n.split("-")[0], log_dir / f"vllm-{n}.log", cpus=cpus[n])
+        launch_server(MODELS_DIR / n.split("-")[0], log_dir / f"vllm-{n}.log", cpus=cpus[n],
+                      executor=executor)
         for n in ("small", "large", *names)
-    ]
+    ]  # fmt: skip
     try:
         for s in servers:
             wait_ready(s, timeout)
@@ -404,6 +417,11 @@ def main() -> int:
         "vLLM's own binding, both engines on the same cores (see the module docstring)",
     )  # fmt: skip
     ap.add_argument(
+        "--executor", choices=("uni", "mp"), default="uni",
+        help="uni: each engine's worker in its engine process; mp: vLLM's CPU default, a worker "
+        "process that busy-polls for a second after each step (see the module docstring)",
+    )  # fmt: skip
+    ap.add_argument(
         "--equal-hardware", action="store_true",
         help=f"also {AGENT_ONLY_ALL}: agent-only on a third server that has every core",
     )  # fmt: skip
@@ -461,7 +479,9 @@ def main() -> int:
             )
             t0 = time.perf_counter()
             extra = ("large-all",) if args.equal_hardware else ()
-            servers = start_servers(args.out, args.start_timeout, args.placement, extra)
+            servers = start_servers(
+                args.out, args.start_timeout, args.placement, extra, args.executor
+            )
             start_s = time.perf_counter() - t0
             where = ", ".join(f"{n} on cores {cpus[n] or 'of vLLM'}" for n in ("small", "large", *extra))
             print(f"vLLM servers up in {start_s:.0f} s ({where})", flush=True)
@@ -515,6 +535,7 @@ def main() -> int:
         "total_s": round(total_s, 1),
         "cpus": os.cpu_count(),
         "placement": args.placement,
+        "executor": args.executor,
         "server_cores": {n: cpus[n] for n in ("small", "large", *extra)},
         "load_avg": os.getloadavg(),
         "machine": platform.platform(),

@@ -463,6 +463,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3, help="repetitions per timed point")
     ap.add_argument("--placement", choices=("split", "shared"), default="split",
                     help="the servers' cores, as bench_load_vllm.py --placement places them")
+    ap.add_argument("--executor", choices=("uni", "mp"), default="uni",
+                    help="the engines' executor, as bench_load_vllm.py --executor")
     ap.add_argument("--start-timeout", type=float, default=600.0, help="seconds per server")
     ap.add_argument("--vllm-python", type=Path, default=None,
                     help="the vLLM environment's python (default: .venv-vllm/bin/python)")
@@ -504,7 +506,8 @@ def main() -> int:
             images = Images(sorted({q.image for q in queries}))
             crop_s, view_s = crop_cpu_s(images), view_cpu_s(images)
             t0 = time.perf_counter()
-            servers = blv.start_servers(args.out, args.start_timeout, args.placement)
+            servers = blv.start_servers(args.out, args.start_timeout, args.placement,
+                                        executor=args.executor)
             print(f"vLLM servers up in {time.perf_counter() - t0:.0f} s", flush=True)
             got = {}
             for role, srv in zip(("small", "large"), servers, strict=True):
@@ -517,7 +520,7 @@ def main() -> int:
             s.stop()
     meta = {"command": " ".join([Path(sys.executable).name, *sys.argv]),
             "total_s": round(time.perf_counter() - t_all, 1), "load_avg": os.getloadavg(),
-            "cpus": os.cpu_count(), "placement": args.placement}
+            "cpus": os.cpu_count(), "placement": args.placement, "executor": args.executor}
     # the raw timings first: a costs file can always be derived again from them (--from)
     (args.out / "measurements.json").write_text(
         json.dumps({**meta, "crop_round_s": crop_s, "view_s": view_s, **got}, indent=2,

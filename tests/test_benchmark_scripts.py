@@ -81,6 +81,19 @@ def test_load_benchmark_reports_autos_points_per_load_band(tmp_path):
     assert len(queries) == 16 and len({q.image for q in queries[:8]}) == 2  # a round mixes both
 
 
+def test_uni_executor_keeps_the_worker_in_the_engine_process():
+    """``uni`` asks for the in-process worker and sets the variable without which vLLM's CPU
+    platform turns ``uni`` back into ``mp`` (whose worker busy-polls a shared-memory queue)."""
+    from tests.vllm_support import executor_options
+
+    args, env = executor_options("uni")
+    assert args == ["--distributed-executor-backend", "uni"]
+    assert env == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    assert executor_options("mp") == ([], {})
+    with pytest.raises(ValueError, match="unknown executor"):
+        executor_options("ray")
+
+
 def test_load_benchmark_places_each_engine_on_cores_of_its_own():
     """``split`` gives the two engines disjoint cores (an idle vLLM CPU worker busy-polls its
     core for a second, so engines on one core slow each other); ``shared`` is vLLM's own."""

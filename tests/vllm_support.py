@@ -181,24 +181,48 @@ def start_server(model: Path, log: Path, timeout: float = START_TIMEOUT) -> VLLM
     return wait_ready(launch_server(model, log), timeout)
 
 
+# The engine's executors (``--distributed-executor-backend``). The CPU build defaults to ``mp``:
+# a worker process fed through a shared-memory queue that it busy-polls for a second after each
+# step. ``uni`` runs the worker inside the engine-core process, which waits on its socket
+# without spinning; the CPU build keeps it only with VLLM_ENABLE_V1_MULTIPROCESSING=0.
+EXECUTORS = ("mp", "uni")
+
+
+def executor_options(executor: str) -> tuple[list[str], dict[str, str]]:
+    """The server's extra arguments and environment for ``executor`` (:data:`EXECUTORS`)."""
+    if executor not in EXECUTORS:
+        raise ValueError(f"unknown executor {executor!r}; choose from {', '.join(EXECUTORS)}")
+    if executor == "uni":
+        return ["--distributed-executor-backend", "uni"], {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    return [], {}
+
+
 def launch_server(
-    model: Path, log: Path, names: Sequence[str] = (), cpus: str | None = None
+    model: Path,
+    log: Path,
+    names: Sequence[str] = (),
+    cpus: str | None = None,
+    executor: str = "mp",
 ) -> VLLMServer:
     """Start a server serving the model folder ``model`` (log to ``log``) without waiting for
     it. Call from the thread that outlives the server: Linux delivers the parent-death signal
     when the *thread* that started the child exits. ``cpus``: the cores its engine's threads
     are bound to (``VLLM_CPU_OMP_THREADS_BIND``, for example ``"1"`` or ``"2-3"``); default
-    vLLM's own choice, which on one NUMA node binds every server to the same cores."""
+    vLLM's own choice, which on one NUMA node binds every server to the same cores.
+    ``executor``: one of :data:`EXECUTORS`."""
     from tests.test_openai_logic import free_port  # here: a test module, imported after collection
 
+    extra_args, extra_env = executor_options(executor)
     port = free_port()
     env = {**os.environ, **vllm_env()}
     if cpus is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = cpus
+    env.update(extra_env)
+    command = [*server_command(model, port, names), *extra_args]
     out = log.open("wb")
     try:
         proc = subprocess.Popen(
-            server_command(model, port, names),
+            command,
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
