@@ -89,6 +89,7 @@ from speceyes.miniworld.demo import MODELS_DIR  # noqa: E402
 from speceyes.miniworld.splits import level_defaults, make_split  # noqa: E402
 from speceyes.operating_points import AUTO  # noqa: E402
 from speceyes.types import Query  # noqa: E402
+from tests.vllm_support import EXECUTORS, NON_SPINNING_EXECUTOR  # noqa: E402
 
 AGENT_ONLY = "agent-only"
 AGENT_ONLY_ALL = "agent-only/all"  # --equal-hardware: agent-only on a server that has every core
@@ -274,11 +275,10 @@ def start_servers(
     timeout: float,
     placement: str = "split",
     names: tuple[str, ...] = (),
-    executor: str = "uni",
+    executor: str = NON_SPINNING_EXECUTOR,
 ) -> list[Any]:
     """The small and large model servers (and those ``names`` adds, such as ``large-all``),
-    bound to their cores (:func:`core_sets`), with ``executor`` (``tests.vllm_support``'s
-    ``EXECUTORS``), launched together (start-up is mostly waiting) from this thread (the one
+    bound to their cores (:func:`core_sets`), with ``executor`` (one of ``EXECUTORS``), launched together (start-up is mostly waiting) from this thread (the one
     that outlives them), then waited for."""
     from tests.vllm_support import launch_server, wait_ready
 
@@ -417,7 +417,7 @@ def main() -> int:
         "vLLM's own binding, both engines on the same cores (see the module docstring)",
     )  # fmt: skip
     ap.add_argument(
-        "--executor", choices=("uni", "mp"), default="uni",
+        "--executor", choices=EXECUTORS, default=NON_SPINNING_EXECUTOR,
         help="uni: each engine's worker in its engine process; mp: vLLM's CPU default, a worker "
         "process that busy-polls for a second after each step (see the module docstring)",
     )  # fmt: skip

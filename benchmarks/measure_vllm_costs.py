@@ -48,6 +48,8 @@ for p in (ROOT, ROOT / "benchmarks"):  # tests/ and bench_load_vllm hold the ser
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
+from tests.vllm_support import EXECUTORS, NON_SPINNING_EXECUTOR  # noqa: E402
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
@@ -463,7 +465,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3, help="repetitions per timed point")
     ap.add_argument("--placement", choices=("split", "shared"), default="split",
                     help="the servers' cores, as bench_load_vllm.py --placement places them")
-    ap.add_argument("--executor", choices=("uni", "mp"), default="uni",
+    ap.add_argument("--executor", choices=EXECUTORS, default=NON_SPINNING_EXECUTOR,
                     help="the engines' executor, as bench_load_vllm.py --executor")
     ap.add_argument("--start-timeout", type=float, default=600.0, help="seconds per server")
     ap.add_argument("--vllm-python", type=Path, default=None,

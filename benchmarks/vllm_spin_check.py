@@ -70,7 +70,7 @@ async def measure(
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--executor", choices=("uni", "mp"), default="uni")
+    ap.add_argument("--executor", choices=blv.EXECUTORS, default=blv.NON_SPINNING_EXECUTOR)
     ap.add_argument("--placement", choices=blv.PLACEMENTS, default="split")
     ap.add_argument("--reps", type=int, default=3, help="passes over the 16 questions")
     ap.add_argument("--quiet", type=float, default=1.5,

@@ -186,6 +186,7 @@ def start_server(model: Path, log: Path, timeout: float = START_TIMEOUT) -> VLLM
 # step. ``uni`` runs the worker inside the engine-core process, which waits on its socket
 # without spinning; the CPU build keeps it only with VLLM_ENABLE_V1_MULTIPROCESSING=0.
 EXECUTORS = ("mp", "uni")
+NON_SPINNING_EXECUTOR = "uni"  # the benchmarks' default: two servers share this machine's cores
 
 
 def executor_options(executor: str) -> tuple[list[str], dict[str, str]]:
