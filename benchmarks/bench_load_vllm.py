@@ -26,7 +26,7 @@ the times it compared). The vLLM servers are always stopped (their process group
 SIGTERM or SIGHUP.
 
     python benchmarks/bench_load_vllm.py [--concurrency 1,4,16] [--with-64] [--rounds 3]
-        [--requests 0] [--settle -1] [--scenes 2] [--judges large,prefix,none] [--points FILE]
+        [--requests 0] [--settle -1] [--scenes 8] [--judges large,prefix,none] [--points FILE]
         [--placement split] [--executor uni] [--equal-hardware] [--out runs/bench-load-vllm]
 
 Placement (``--placement``). ``split`` (default) binds each server's engine threads to cores of
@@ -89,11 +89,15 @@ from speceyes.miniworld.demo import MODELS_DIR  # noqa: E402
 from speceyes.miniworld.splits import level_defaults, make_split  # noqa: E402
 from speceyes.operating_points import AUTO  # noqa: E402
 from speceyes.types import Query  # noqa: E402
-from tests.vllm_support import EXECUTORS, NON_SPINNING_EXECUTOR  # noqa: E402
+from tests.vllm_support import (  # noqa: E402
+    EXECUTORS,
+    NON_SPINNING_EXECUTOR,
+    PLACEMENTS,
+    SPLIT_PLACEMENT,
+)
 
 AGENT_ONLY = "agent-only"
 AGENT_ONLY_ALL = "agent-only/all"  # --equal-hardware: agent-only on a server that has every core
-PLACEMENTS = ("split", "shared")
 SMALL_ROUTE = "small"  # the route of an answer the small model gave (gate accepted)
 CLIENT_TIMEOUT_S = 900.0
 MIN_REQUESTS = 32  # per mode and round, whatever C: a round must outlast this machine's jitter
@@ -125,6 +129,13 @@ class Cell:
     samples: list[Sample] = field(default_factory=list)
     wall_s: float = 0.0
     errors: int = 0
+    round_qps: list[float] = field(default_factory=list)  # each round's queries/s, in order
+
+    def add_round(self, got: list[Sample], errors: int, wall_s: float) -> None:
+        self.samples += got
+        self.errors += errors
+        self.wall_s += wall_s
+        self.round_qps.append(len(got) / wall_s if wall_s > 0 else 0.0)
 
     def summary(self) -> dict[str, Any]:
         lat = np.array([s.latency_s for s in self.samples]) if self.samples else np.zeros(0)
@@ -136,6 +147,7 @@ class Cell:
             "errors": self.errors,
             "wall_s": round(self.wall_s, 3),
             "qps": n / self.wall_s if self.wall_s > 0 else None,
+            "round_qps": [round(x, 4) for x in self.round_qps],
             "p50_s": float(np.percentile(lat, 50)) if n else None,
             "p95_s": float(np.percentile(lat, 95)) if n else None,
             "accuracy": sum(s.correct for s in self.samples) / n if n else None,
@@ -312,6 +324,20 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+def round_ratios(row: dict[str, Any], base: dict[str, Any]) -> list[float]:
+    """``row``'s throughput over ``base``'s, round by round. A round's modes ran back to back on
+    the same questions, so each ratio pairs two batches that met the same machine; their spread
+    says how far one run's ratio can be trusted (a gap between two modes smaller than it is
+    not a finding)."""
+    a, b = row.get("round_qps") or [], base.get("round_qps") or []
+    return [x / y for x, y in zip(a, b, strict=False) if y > 0]
+
+
+def spread_text(ratios: list[float]) -> str:
+    """`` (rounds lo-hi)``: the range of the per-round ratios, or nothing for fewer than 2."""
+    return f" ({min(ratios):.2f}-{max(ratios):.2f})" if len(ratios) > 1 else ""
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     """Markdown: one row per C and mode, ratios against agent-only at the same C."""
 
@@ -320,7 +346,8 @@ def table(rows: list[dict[str, Any]]) -> str:
 
     base = {r["concurrency"]: r for r in rows if r["mode"] == AGENT_ONLY}
     out = [
-        "| C | mode | requests | queries/s | x agent-only | p50 s | p95 s | p50 / agent-only "
+        "| C | mode | requests | queries/s | x agent-only (rounds) | p50 s | p95 s "
+        "| p50 / agent-only "
         "| accuracy | small model answers | points (auto) |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -330,7 +357,8 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"| {r['concurrency']} | {r['mode']} | {r['requests']}"
             + (f" ({r['errors']} errors)" if r["errors"] else "")
             + f" | {f(r['qps'], '.2f')} | {f(ratio(r['qps'], b.get('qps')), '.2f')}"
-            f" | {f(r['p50_s'], '.2f')} | {f(r['p95_s'], '.2f')}"
+            + (spread_text(round_ratios(r, b)) if r is not b else "")
+            + f" | {f(r['p50_s'], '.2f')} | {f(r['p95_s'], '.2f')}"
             f" | {f(ratio(r['p50_s'], b.get('p50_s')), '.2f')}"
             f" | {f(r['accuracy'], '.1%')} | {f(r['small_share'], '.0%')}"
             f" | {_points_text(r.get('points') or {})} |"
@@ -372,9 +400,11 @@ def auto_lines(rows: list[dict[str, Any]]) -> list[str]:
             f"band {band}: {_points_text(pts)}"
             for band, pts in (auto.get("points_by_band") or {}).items()
         )
+        per_round = round_ratios(auto, best)
         out.append(
             f"C={c}: auto {auto['qps']:.2f} queries/s = {auto['qps'] / best['qps']:.3f} x the "
             f"best other mode ({best['mode']}, {best['qps']:.2f})"
+            + (f", by round {', '.join(f'{x:.2f}' for x in per_round)}" if len(per_round) > 1 else "")
             + (f"; points by load band: {bands}" if bands else "")
         )
     return [""] + out if out else []
@@ -401,7 +431,11 @@ def main() -> int:
         "re-runs stay inside); the static modes keep no state to settle (default: one round's "
         "requests; 0: none, the cold figure)",
     )
-    ap.add_argument("--scenes", type=int, default=2, help="mini-world test scenes (8 questions)")
+    ap.add_argument(
+        "--scenes", type=int, default=8,
+        help="mini-world test scenes, 8 questions each (default 8: 64 questions; with 2 the "
+        "share answered early rests on 16 questions)",
+    )  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--judges", default="large,prefix,none", help="SpecEyes judge variants")
     ap.add_argument(
@@ -412,7 +446,7 @@ def main() -> int:
         "static variants run at their points' taus",
     )
     ap.add_argument(
-        "--placement", choices=PLACEMENTS, default="split",
+        "--placement", choices=PLACEMENTS, default=SPLIT_PLACEMENT,
         help="split: each server's engine on cores of its own (a device per model); shared: "
         "vLLM's own binding, both engines on the same cores (see the module docstring)",
     )  # fmt: skip
@@ -512,9 +546,7 @@ def main() -> int:
                         got, errs, wall = asyncio.run(
                             closed_loop(urls[m.label], bodies, queries, start, n, c)
                         )
-                        cell.samples += got
-                        cell.errors += errs
-                        cell.wall_s += wall
+                        cell.add_round(got, errs, wall)
                         line = f"C={c} round {r} {m.label}: {len(got)} in {wall:.1f} s"
                         logging.getLogger("speceyes.operating_points").info(line)
                         print(line, flush=True)

@@ -48,7 +48,12 @@ for p in (ROOT, ROOT / "benchmarks"):  # tests/ and bench_load_vllm hold the ser
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-from tests.vllm_support import EXECUTORS, NON_SPINNING_EXECUTOR  # noqa: E402
+from tests.vllm_support import (  # noqa: E402
+    EXECUTORS,
+    NON_SPINNING_EXECUTOR,
+    PLACEMENTS,
+    SPLIT_PLACEMENT,
+)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -463,7 +468,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "vllm-costs")
     ap.add_argument("--reps", type=int, default=3, help="repetitions per timed point")
-    ap.add_argument("--placement", choices=("split", "shared"), default="split",
+    ap.add_argument("--placement", choices=PLACEMENTS, default=SPLIT_PLACEMENT,
                     help="the servers' cores, as bench_load_vllm.py --placement places them")
     ap.add_argument("--executor", choices=EXECUTORS, default=NON_SPINNING_EXECUTOR,
                     help="the engines' executor, as bench_load_vllm.py --executor")

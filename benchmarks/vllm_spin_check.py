@@ -71,7 +71,7 @@ async def measure(
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--executor", choices=blv.EXECUTORS, default=blv.NON_SPINNING_EXECUTOR)
-    ap.add_argument("--placement", choices=blv.PLACEMENTS, default="split")
+    ap.add_argument("--placement", choices=blv.PLACEMENTS, default=blv.SPLIT_PLACEMENT)
     ap.add_argument("--reps", type=int, default=3, help="passes over the 16 questions")
     ap.add_argument("--quiet", type=float, default=1.5,
                     help="seconds of quiet before the third request (vLLM's poll lasts 1 s)")

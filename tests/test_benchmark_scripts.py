@@ -81,6 +81,27 @@ def test_load_benchmark_reports_autos_points_per_load_band(tmp_path):
     assert len(queries) == 16 and len({q.image for q in queries[:8]}) == 2  # a round mixes both
 
 
+def test_load_benchmark_pairs_rounds_for_its_ratios():
+    """Each round's modes met the same machine, so ratios pair round with round; the table and
+    auto's line show their range, which says how large a gap between two modes is noise."""
+    bench = _load(BENCHMARKS / "bench_load_vllm.py")
+    agent, auto = bench.Cell("agent-only", 4), bench.Cell("speceyes/auto", 4)
+    one = [bench.Sample(1.0, True, "agent", None, None)]
+    for got, wall in ((4, 2.0), (4, 4.0)):
+        agent.add_round(one * got, 0, wall)
+    for got, wall in ((6, 2.0), (3, 2.0)):
+        auto.add_round(one * got, 1, wall)
+    a, s = agent.summary(), auto.summary()
+    assert a["round_qps"] == [2.0, 1.0] and s["round_qps"] == [3.0, 1.5]
+    assert (s["requests"], s["errors"], s["wall_s"]) == (9, 2, 4.0)
+    assert bench.round_ratios(s, a) == [1.5, 1.5]
+    assert bench.round_ratios({"round_qps": [1.0, 2.0]}, {"round_qps": [2.0, 0.0]}) == [0.5]
+    assert bench.spread_text([1.2, 0.9, 1.05]) == " (0.90-1.20)"
+    assert bench.spread_text([1.2]) == ""
+    assert "| 2.25 | 1.69 (1.50-1.50) |" in bench.table([a, s])
+    assert "by round 1.50, 1.50" in bench.auto_lines([a, s])[-1]
+
+
 def test_uni_executor_keeps_the_worker_in_the_engine_process():
     """``uni`` asks for the in-process worker and sets the variable without which vLLM's CPU
     platform turns ``uni`` back into ``mp`` (whose worker busy-polls a shared-memory queue)."""

@@ -188,6 +188,12 @@ def start_server(model: Path, log: Path, timeout: float = START_TIMEOUT) -> VLLM
 EXECUTORS = ("mp", "uni")
 NON_SPINNING_EXECUTOR = "uni"  # the benchmarks' default: two servers share this machine's cores
 
+# Where the benchmarks put the two engines: ``split`` gives each engine cores of its own (a
+# device per model, as on a GPU box); ``shared`` keeps vLLM's own binding, which puts both
+# engines on the same cores.
+PLACEMENTS = ("split", "shared")
+SPLIT_PLACEMENT = "split"  # the benchmarks' default
+
 
 def executor_options(executor: str) -> tuple[list[str], dict[str, str]]:
     """The server's extra arguments and environment for ``executor`` (:data:`EXECUTORS`)."""
