@@ -284,7 +284,17 @@ class PointChooser:
     expected time is ``s * early + (1 - s) * agent``.
 
     Each point runs one batch first in each load band it meets; then the rule takes the point
-    with the least expected time. A point not run for ``EXPLORE_EVERY`` batches runs one batch
+    with the least expected time, except that it keeps the point it chose last in the band
+    unless another's time is ``HOLD_MARGIN`` less: points within that margin serve about the
+    same, one run's times do not separate them (paired rounds of the load benchmark spread by
+    about as much), and each switch mixes two points in the engine's queue. Nor does it switch
+    on times of two moments: while the held point runs, the queue it shares with the others
+    fills or drains and its time follows, while the others keep the time of their last batch
+    (on the real engine the held point's time doubled as the queue filled at C=64, the others'
+    stayed, and the rule switched for a difference the moment made). So when the point that
+    would displace the held one last ran while the held point's time was more than the margin
+    away from its time now, that point is measured afresh (one batch, its older times dropped)
+    before any switch. A point not run for ``EXPLORE_EVERY`` batches runs one batch
     again, so a time measured under another mix is renewed. Each re-run that the rule then does
     not follow doubles that point's wait (up to ``EXPLORE_MAX``), and the rule choosing it resets
     the wait: a point that keeps losing costs a number of batches that grows with the log of the
@@ -294,6 +304,7 @@ class PointChooser:
     EXPLORE_EVERY = 24  # batches after which a point not run since runs one batch again
     EXPLORE_MAX = 16 * EXPLORE_EVERY  # the longest wait a losing point's re-runs back off to
     PRIOR_QUERIES = 64  # the calibrated share answered without the agent counts as this many
+    HOLD_MARGIN = 0.1  # how much less time another point needs to displace the one held
 
     def __init__(self, points: Sequence[OperatingPoint]) -> None:
         if not points:
@@ -301,6 +312,9 @@ class PointChooser:
         self.points = list(points)
         # (point, band, answered without the agent): recent seconds per query
         self._time: dict[tuple[str, int, bool], _Recent] = {}
+        self._held: dict[int, str] = {}  # band: the point the rule chose last there
+        # (point, band): the held point's expected time when the point last ran beside it
+        self._ref: dict[tuple[str, int], float] = {}
         self._early = {p.name: 0 for p in self.points}  # queries answered without the agent
         self._seen = {p.name: 0 for p in self.points}  # queries answered
         self._tried: set[tuple[str, int]] = set()  # (point, band) pairs given a batch
@@ -317,6 +331,8 @@ class PointChooser:
             times = {p.name: self._expected(p, band) for p in self.points}
             measured = [p for p in self.points if times[p.name] is not None]
             stale = [p for p in measured if self._batches - self._last[p.name] > self._wait[p.name]]
+            held = next((p for p in measured if p.name == self._held.get(band)), None)
+            t_held = times[held.name] if held is not None else None
             if untried:
                 picked, why = untried[0], "first in band"
             elif stale:
@@ -324,9 +340,24 @@ class PointChooser:
                 self._wait[picked.name] = min(2 * self._wait[picked.name], self.EXPLORE_MAX)
             elif measured:
                 picked, why = min(measured, key=lambda p: times[p.name] or 0.0), "least time"
-                self._wait[picked.name] = self.EXPLORE_EVERY  # the rule wants it: renew it often
+                if held is not None and t_held is not None and picked is not held:
+                    then = self._ref.get((picked.name, band))
+                    if t_held * (1.0 - self.HOLD_MARGIN) <= (times[picked.name] or 0.0):
+                        picked, why = held, "held (within margin)"
+                    elif then and abs(t_held / then - 1.0) > self.HOLD_MARGIN:
+                        why = "re-run (measured at another moment)"
+                        for early in (True, False):  # its times are dropped: measured afresh
+                            self._time.pop((picked.name, band, early), None)
+                if not why.startswith("re-run"):
+                    if picked is not held:  # the others' times now compare with the new one's
+                        for p in measured:
+                            self._ref[(p.name, band)] = times[picked.name] or 0.0
+                    self._held[band] = picked.name
+                    self._wait[picked.name] = self.EXPLORE_EVERY  # wanted: renew it often
             else:  # every point is on its way, none has finished a query yet
                 picked, why = max(self.points, key=lambda p: self._last[p.name]), "none measured"
+            if t_held and picked is not held:  # it runs beside the held point's time now
+                self._ref[(picked.name, band)] = t_held
             self._tried.add((picked.name, band))
             self._last[picked.name] = self._batches
         if log.isEnabledFor(logging.DEBUG):  # why this point: the times the rule compared

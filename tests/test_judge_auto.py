@@ -149,6 +149,43 @@ def test_a_point_that_keeps_losing_is_rerun_ever_more_rarely_until_the_load_favo
     assert chooser.choose(256) == none  # and under load again, none at once (measured)
 
 
+def held_a_over_b() -> tuple[OperatingPoint, OperatingPoint, PointChooser, dict[str, float]]:
+    """Two points a little apart, each run once at C=16; the rule then holds the quicker."""
+    a = OperatingPoint("large", 0.9, beta=1.0, alpha=0.5)
+    b = OperatingPoint("none", 0.9, beta=1.0, alpha=0.5)
+    chooser = PointChooser([a, b])
+    times = {"large": 1.0, "none": 1.05}
+    assert [serve(chooser, 16, times) for _ in range(3)] == ["large", "none", "large"]
+    return a, b, chooser, times
+
+
+def test_points_within_the_margin_do_not_displace_the_one_held():
+    """Switching mixes two points in the engine's queue for a gap one run cannot see: the
+    held point stays until another's time is HOLD_MARGIN less."""
+    a, b, chooser, _ = held_a_over_b()
+    for _ in range(64):
+        chooser.observe(b, 16, 0.95)  # b is now a little quicker (5%)
+    assert chooser.choose(16) == a
+    for _ in range(64):
+        chooser.observe(b, 16, 0.8)  # 20% quicker
+    assert chooser.choose(16) == b
+    assert chooser.choose(16) == b  # and b is held now
+
+
+def test_the_others_run_again_once_the_held_points_time_has_moved():
+    """While the held point runs, the queue the points share fills and its time rises; the
+    others' times are of a quieter moment, so they run again before any switch: when their
+    time rose as well, the rule stays, and no point is taken for the moment's difference."""
+    a, b, chooser, times = held_a_over_b()
+    times.update(large=2.0, none=2.1)  # the queue fills: every point's queries wait longer
+    picks = [serve(chooser, 16, times) for _ in range(20)]
+    assert picks.count("none") == 1  # one re-run, then the held point again
+    assert picks[-1] == "large" and picks.index("none") > 0
+    times.update(large=4.0)  # now only the held point slows: the re-run shows it
+    picks = [serve(chooser, 16, times) for _ in range(20)]
+    assert picks[-1] == "none" and picks.count("large") < 10
+
+
 def test_config_checks():
     with pytest.raises(ValueError, match="needs operating points"):
         FunnelConfig(judge="auto").validate()
