@@ -109,6 +109,7 @@ class Mode:
     mode: str  # the funnel's mode
     judge: str | None = None  # the judge variant (speceyes mode only)
     large: str = "large"  # the large model's server: "large", or "large-all" (every core)
+    auto_hold: float | None = None  # speceyes/auto: its hold margin (None: the funnel's default)
 
 
 @dataclass
@@ -162,9 +163,20 @@ class Cell:
         }
 
 
-def modes_of(judges: list[str], auto: bool = False, equal_hardware: bool = False) -> list[Mode]:
+def modes_of(
+    judges: list[str],
+    auto: bool = False,
+    equal_hardware: bool = False,
+    auto_holds: tuple[float, ...] = (),
+) -> list[Mode]:
+    """The modes a run compares: agent-only, each static judge, and with ``auto`` the default
+    auto beside one auto per hold margin of ``auto_holds`` (``speceyes/auto@hold=M``)."""
     static = [Mode(f"speceyes/{j}", "speceyes", j) for j in judges]
     extra = [Mode(f"speceyes/{AUTO}", "speceyes", AUTO)] if auto else []
+    extra += [
+        Mode(f"speceyes/{AUTO}@hold={h:g}", "speceyes", AUTO, auto_hold=h)
+        for h in (auto_holds if auto else ())
+    ]
     wide = [Mode(AGENT_ONLY_ALL, "agent", large="large-all")] if equal_hardware else []
     return [Mode(AGENT_ONLY, "agent"), *wide, *static, *extra]
 
@@ -238,6 +250,8 @@ def settings_for(
         setattr(s.backend, f"{role}_min_pixels", g.min_pixels)
         setattr(s.backend, f"{role}_max_pixels", g.max_pixels)
     changes: dict[str, Any] = {"mode": mode.mode, "schedule": "pipelined"}
+    if mode.auto_hold is not None:
+        changes["auto_hold"] = mode.auto_hold
     if mode.judge is not None:
         changes["judge"] = mode.judge
     return s.with_funnel(**changes)
@@ -386,28 +400,36 @@ def _points_text(points: dict[str, int]) -> str:
     return ", ".join(f"{k} {v / total:.0%}" for k, v in sorted(points.items())) or "-"
 
 
+def is_auto(label: str) -> bool:
+    return label == f"speceyes/{AUTO}" or label.startswith(f"speceyes/{AUTO}@")
+
+
 def auto_lines(rows: list[dict[str, Any]]) -> list[str]:
-    """Per C: auto's throughput against the best of agent-only and every static variant."""
+    """Per C and auto mode: its throughput against the best of agent-only and every static
+    variant."""
     out = []
     for c in sorted({r["concurrency"] for r in rows}):
         at = {r["mode"]: r for r in rows if r["concurrency"] == c and r["qps"]}
-        auto = at.get(f"speceyes/{AUTO}")
-        others = [r for m, r in at.items() if m != f"speceyes/{AUTO}"]
-        if auto is None or not others:
-            continue
-        best = max(others, key=lambda r: r["qps"])
-        bands = "; ".join(
-            f"band {band}: {_points_text(pts)}"
-            for band, pts in (auto.get("points_by_band") or {}).items()
-        )
-        per_round = round_ratios(auto, best)
-        out.append(
-            f"C={c}: auto {auto['qps']:.2f} queries/s = {auto['qps'] / best['qps']:.3f} x the "
-            f"best other mode ({best['mode']}, {best['qps']:.2f})"
-            + (f", by round {', '.join(f'{x:.2f}' for x in per_round)}" if len(per_round) > 1 else "")
-            + (f"; points by load band: {bands}" if bands else "")
-        )
+        others = [r for m, r in at.items() if not is_auto(m)]
+        for label, auto in at.items():
+            if is_auto(label) and others:
+                out.append(_auto_line(c, auto, max(others, key=lambda r: r["qps"])))
     return [""] + out if out else []
+
+
+def _auto_line(c: int, auto: dict[str, Any], best: dict[str, Any]) -> str:
+    bands = "; ".join(
+        f"band {band}: {_points_text(pts)}"
+        for band, pts in (auto.get("points_by_band") or {}).items()
+    )
+    per_round = round_ratios(auto, best)
+    name = "auto" if auto["mode"] == f"speceyes/{AUTO}" else auto["mode"].removeprefix("speceyes/")
+    return (
+        f"C={c}: {name} {auto['qps']:.2f} queries/s = {auto['qps'] / best['qps']:.3f} x the "
+        f"best other mode ({best['mode']}, {best['qps']:.2f})"
+        + (f", by round {', '.join(f'{x:.2f}' for x in per_round)}" if len(per_round) > 1 else "")
+        + (f"; points by load band: {bands}" if bands else "")
+    )
 
 
 def main() -> int:
@@ -438,6 +460,11 @@ def main() -> int:
     )  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--judges", default="large,prefix,none", help="SpecEyes judge variants")
+    ap.add_argument(
+        "--auto-holds", default="", metavar="M,M",
+        help="with --points: also speceyes/auto at each of these hold margins (--auto-hold), "
+        "beside the default one; 0 is the rule without a hold (default: none)",
+    )  # fmt: skip
     ap.add_argument(
         "--points",
         type=Path,
@@ -474,7 +501,12 @@ def main() -> int:
     judges = [j.strip() for j in args.judges.split(",") if j.strip()]
     if any(j not in JUDGES for j in judges):
         ap.error(f"--judges takes {', '.join(JUDGES)}")
-    modes = modes_of(judges, auto=args.points is not None, equal_hardware=args.equal_hardware)
+    try:
+        holds = tuple(float(x) for x in args.auto_holds.split(",") if x.strip())
+    except ValueError:
+        ap.error(f"--auto-holds takes numbers, got {args.auto_holds!r}")
+    modes = modes_of(judges, auto=args.points is not None, equal_hardware=args.equal_hardware,
+                     auto_holds=holds)  # fmt: skip
     try:
         cpus = core_sets(args.placement)
     except ValueError as e:

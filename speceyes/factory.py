@@ -163,6 +163,7 @@ class Settings:
             middle_tier=bool(arg("middle_tier", f.middle_tier)),
             direct_prompt=arg("direct_prompt", f.direct_prompt),
             small_agent=arg("small_agent"),
+            auto_hold=arg("auto_hold", f.auto_hold),
         )
         b = BackendSettings
         settings = cls(

@@ -132,6 +132,8 @@ class FunnelConfig:
     # ---- --judge auto: the operating points it picks among (operating_points.OperatingPoint
     # fields: judge, tau, beta, alpha, alpha_tool, judge_max_pixels), one per batch by load
     points: list[dict[str, Any]] | None = None
+    # how much less time another point needs to displace the one held (PointChooser)
+    auto_hold: float = PointChooser.HOLD_MARGIN
 
     def operating_points(self) -> list[OperatingPoint]:
         """``--judge auto``'s points (ValueError when there are none or one is malformed)."""
@@ -201,6 +203,8 @@ class FunnelConfig:
             )
         elif self.points:
             raise ValueError("operating points are for --judge auto")
+        if not 0.0 <= self.auto_hold < 1.0:
+            raise ValueError(f"--auto-hold must be in [0, 1), got {self.auto_hold}")
         if self.judge_max_pixels is not None:
             if self.judge not in ("large", "small"):
                 raise ValueError(
@@ -248,7 +252,8 @@ class FunnelConfig:
         """Its fields; the cascade's only where they differ from the defaults, so a two-stage
         funnel's run configuration reads (and resumes) as before the cascade existed."""
         out = asdict(self)
-        for name, default in {**CASCADE_DEFAULTS, "points": None}.items():
+        defaults = {**CASCADE_DEFAULTS, "points": None, "auto_hold": PointChooser.HOLD_MARGIN}
+        for name, default in defaults.items():
             if out[name] == default:
                 del out[name]
         return out
@@ -416,7 +421,7 @@ class Funnel:
         if self.config.judge == AUTO:
             points = self.config.operating_points()
             judges = {p.judge for p in points}
-            self._chooser = PointChooser(points)
+            self._chooser = PointChooser(points, self.config.auto_hold)
         self._in_agent = 0  # queries handed to phase IV and not yet done (--judge auto's load)
         # A server's queries that have not reached the funnel yet (serve sets it): they are in
         # the system too, and a point whose front is slow keeps more of them waiting, so

@@ -304,11 +304,14 @@ class PointChooser:
     EXPLORE_EVERY = 24  # batches after which a point not run since runs one batch again
     EXPLORE_MAX = 16 * EXPLORE_EVERY  # the longest wait a losing point's re-runs back off to
     PRIOR_QUERIES = 64  # the calibrated share answered without the agent counts as this many
-    HOLD_MARGIN = 0.1  # how much less time another point needs to displace the one held
+    HOLD_MARGIN = 0.1  # default: how much less time another point needs to displace the held
 
-    def __init__(self, points: Sequence[OperatingPoint]) -> None:
+    def __init__(self, points: Sequence[OperatingPoint], hold_margin: float = HOLD_MARGIN) -> None:
         if not points:
             raise ValueError("--judge auto needs at least one operating point")
+        if not 0.0 <= hold_margin < 1.0:
+            raise ValueError(f"the hold margin must be in [0, 1), got {hold_margin}")
+        self.hold_margin = hold_margin  # 0: the least time, always (no hold, no re-measure)
         self.points = list(points)
         # (point, band, answered without the agent): recent seconds per query
         self._time: dict[tuple[str, int, bool], _Recent] = {}
@@ -340,11 +343,12 @@ class PointChooser:
                 self._wait[picked.name] = min(2 * self._wait[picked.name], self.EXPLORE_MAX)
             elif measured:
                 picked, why = min(measured, key=lambda p: times[p.name] or 0.0), "least time"
-                if held is not None and t_held is not None and picked is not held:
+                margin = self.hold_margin
+                if margin and held is not None and t_held is not None and picked is not held:
                     then = self._ref.get((picked.name, band))
-                    if t_held * (1.0 - self.HOLD_MARGIN) <= (times[picked.name] or 0.0):
+                    if t_held * (1.0 - margin) <= (times[picked.name] or 0.0):
                         picked, why = held, "held (within margin)"
-                    elif then and abs(t_held / then - 1.0) > self.HOLD_MARGIN:
+                    elif then and abs(t_held / then - 1.0) > margin:
                         why = "re-run (measured at another moment)"
                         for early in (True, False):  # its times are dropped: measured afresh
                             self._time.pop((picked.name, band, early), None)
@@ -362,8 +366,8 @@ class PointChooser:
             self._last[picked.name] = self._batches
         if log.isEnabledFor(logging.DEBUG):  # why this point: the times the rule compared
             shown = ", ".join(f"{k} {'-' if t is None else f'{t:.3f}s'}" for k, t in times.items())
-            log.debug("batch %d, %d in flight (band %d): %s (%s); %s", self._batches,
-                      in_flight, band, picked.name, why, shown)
+            log.debug("hold %g, batch %d, %d in flight (band %d): %s (%s); %s",
+                      self.hold_margin, self._batches, in_flight, band, picked.name, why, shown)
         return picked
 
     def observe(

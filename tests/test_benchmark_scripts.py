@@ -100,6 +100,14 @@ def test_load_benchmark_pairs_rounds_for_its_ratios():
     assert bench.spread_text([1.2]) == ""
     assert "| 2.25 | 1.69 (1.50-1.50) |" in bench.table([a, s])
     assert "by round 1.50, 1.50" in bench.auto_lines([a, s])[-1]
+    # an auto at another hold margin is compared with the same best non-auto mode, not with auto
+    modes = bench.modes_of(["large"], auto=True, auto_holds=(0.0,))
+    assert [(m.label, m.auto_hold) for m in modes[2:]] == [
+        ("speceyes/auto", None), ("speceyes/auto@hold=0", 0.0)]  # fmt: skip
+    other = {**s, "mode": "speceyes/auto@hold=0", "qps": 3.0}
+    lines = bench.auto_lines([a, s, other])
+    assert lines[1].startswith("C=4: auto 2.25 queries/s = 1.688 x the best other mode (agent-only")
+    assert lines[2].startswith("C=4: auto@hold=0 3.00 queries/s = 2.250 x the best other mode (a")
 
 
 def test_uni_executor_keeps_the_worker_in_the_engine_process():

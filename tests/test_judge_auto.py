@@ -149,11 +149,13 @@ def test_a_point_that_keeps_losing_is_rerun_ever_more_rarely_until_the_load_favo
     assert chooser.choose(256) == none  # and under load again, none at once (measured)
 
 
-def held_a_over_b() -> tuple[OperatingPoint, OperatingPoint, PointChooser, dict[str, float]]:
+def held_a_over_b(
+    margin: float = PointChooser.HOLD_MARGIN,
+) -> tuple[OperatingPoint, OperatingPoint, PointChooser, dict[str, float]]:
     """Two points a little apart, each run once at C=16; the rule then holds the quicker."""
     a = OperatingPoint("large", 0.9, beta=1.0, alpha=0.5)
     b = OperatingPoint("none", 0.9, beta=1.0, alpha=0.5)
-    chooser = PointChooser([a, b])
+    chooser = PointChooser([a, b], margin)
     times = {"large": 1.0, "none": 1.05}
     assert [serve(chooser, 16, times) for _ in range(3)] == ["large", "none", "large"]
     return a, b, chooser, times
@@ -170,6 +172,12 @@ def test_points_within_the_margin_do_not_displace_the_one_held():
         chooser.observe(b, 16, 0.8)  # 20% quicker
     assert chooser.choose(16) == b
     assert chooser.choose(16) == b  # and b is held now
+    a, b, chooser, _ = held_a_over_b(margin=0.0)  # no margin: the least time, always
+    for _ in range(64):
+        chooser.observe(b, 16, 0.95)
+    assert chooser.choose(16) == b
+    with pytest.raises(ValueError, match="hold margin"):
+        PointChooser([a], 1.0)
 
 
 def test_the_others_run_again_once_the_held_points_time_has_moved():
@@ -203,6 +211,9 @@ def test_config_checks():
     assert (at.mode, at.points, at.cascade) == ("agent", None, False)
     at.validate()
     assert "points" not in FunnelConfig().to_dict()  # a run without auto logs as before
+    assert "auto_hold" not in FunnelConfig().to_dict()
+    with pytest.raises(ValueError, match="--auto-hold"):
+        FunnelConfig(auto_hold=-0.1).validate()
 
 
 def test_flags_reach_the_config(tmp_path):
@@ -216,6 +227,9 @@ def test_flags_reach_the_config(tmp_path):
     assert funnel.judge == "auto"
     assert [p["judge"] for p in funnel.points] == ["large", "none"]
     assert funnel.operating_points()[1].tau == 0.95
+    assert funnel.auto_hold == PointChooser.HOLD_MARGIN
+    ns = ap.parse_args(["--small", "s", "--large", "l", "--points", str(path), "--auto-hold", "0"])
+    assert Settings.from_args(ns).funnel.auto_hold == 0.0
 
 
 @pytest.fixture(scope="module")

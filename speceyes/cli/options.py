@@ -224,6 +224,11 @@ def add_funnel_args(p: argparse.ArgumentParser, *, schedule: str | None = None) 
         "alpha_tool, judge_max_pixels}",
     )
     g.add_argument(
+        "--auto-hold", type=float, default=None, metavar="M",
+        help="--judge auto: keep the point chosen last at a load until another's measured time "
+        f"is this share less (default: {f.auto_hold}; 0: the least time, always)",
+    )
+    g.add_argument(
         "--judge-max-pixels",
         type=int,
         default=f.judge_max_pixels,
