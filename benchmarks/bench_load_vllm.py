@@ -423,9 +423,8 @@ def _auto_line(c: int, auto: dict[str, Any], best: dict[str, Any]) -> str:
         for band, pts in (auto.get("points_by_band") or {}).items()
     )
     per_round = round_ratios(auto, best)
-    name = "auto" if auto["mode"] == f"speceyes/{AUTO}" else auto["mode"].removeprefix("speceyes/")
     return (
-        f"C={c}: {name} {auto['qps']:.2f} queries/s = {auto['qps'] / best['qps']:.3f} x the "
+        f"C={c}: {auto['mode'].removeprefix('speceyes/')} {auto['qps']:.2f} queries/s = {auto['qps'] / best['qps']:.3f} x the "
         f"best other mode ({best['mode']}, {best['qps']:.2f})"
         + (f", by round {', '.join(f'{x:.2f}' for x in per_round)}" if len(per_round) > 1 else "")
         + (f"; points by load band: {bands}" if bands else "")

@@ -76,7 +76,14 @@ from speceyes.agents.base import EMPTY, END, Agent, LoopAgent, drive_loops
 from speceyes.backends.base import Backend, BackendError, per_item
 from speceyes.images import MIN_PIXELS, load_image, resize_for_model
 from speceyes.judging import JudgeMode
-from speceyes.operating_points import AGENT_POINT, AUTO, OperatingPoint, PointChooser, load_level
+from speceyes.operating_points import (
+    AGENT_POINT,
+    AUTO,
+    OperatingPoint,
+    PointChooser,
+    check_hold_margin,
+    load_level,
+)
 from speceyes.rates import beta_alpha
 from speceyes.types import (  # the funnel's vocabulary, re-exported for older imports
     AGENT_ONLY_MODES,
@@ -203,8 +210,7 @@ class FunnelConfig:
             )
         elif self.points:
             raise ValueError("operating points are for --judge auto")
-        if not 0.0 <= self.auto_hold < 1.0:
-            raise ValueError(f"--auto-hold must be in [0, 1), got {self.auto_hold}")
+        check_hold_margin(self.auto_hold)
         if self.judge_max_pixels is not None:
             if self.judge not in ("large", "small"):
                 raise ValueError(

@@ -262,6 +262,12 @@ class _Recent:
         return self._num / self._den if self._den else None
 
 
+def check_hold_margin(margin: float) -> None:
+    """``--auto-hold``'s range (ValueError outside it): a margin of 1 would hold any point."""
+    if not 0.0 <= margin < 1.0:
+        raise ValueError(f"--auto-hold (the hold margin) must be in [0, 1), got {margin}")
+
+
 class PointChooser:
     """``--judge auto`` in the funnel: the operating point for the next batch, by the time its
     queries spend in the funnel at this load.
@@ -309,8 +315,7 @@ class PointChooser:
     def __init__(self, points: Sequence[OperatingPoint], hold_margin: float = HOLD_MARGIN) -> None:
         if not points:
             raise ValueError("--judge auto needs at least one operating point")
-        if not 0.0 <= hold_margin < 1.0:
-            raise ValueError(f"the hold margin must be in [0, 1), got {hold_margin}")
+        check_hold_margin(hold_margin)
         self.hold_margin = hold_margin  # 0: the least time, always (no hold, no re-measure)
         self.points = list(points)
         # (point, band, answered without the agent): recent seconds per query
@@ -343,16 +348,16 @@ class PointChooser:
                 self._wait[picked.name] = min(2 * self._wait[picked.name], self.EXPLORE_MAX)
             elif measured:
                 picked, why = min(measured, key=lambda p: times[p.name] or 0.0), "least time"
-                margin = self.hold_margin
-                if margin and held is not None and t_held is not None and picked is not held:
+                margin, remeasure = self.hold_margin, False
+                if margin and t_held is not None and picked is not held:
                     then = self._ref.get((picked.name, band))
                     if t_held * (1.0 - margin) <= (times[picked.name] or 0.0):
                         picked, why = held, "held (within margin)"
                     elif then and abs(t_held / then - 1.0) > margin:
-                        why = "re-run (measured at another moment)"
+                        why, remeasure = "re-run (measured at another moment)", True
                         for early in (True, False):  # its times are dropped: measured afresh
                             self._time.pop((picked.name, band, early), None)
-                if not why.startswith("re-run"):
+                if not remeasure:
                     if picked is not held:  # the others' times now compare with the new one's
                         for p in measured:
                             self._ref[(p.name, band)] = times[picked.name] or 0.0
@@ -360,7 +365,7 @@ class PointChooser:
                     self._wait[picked.name] = self.EXPLORE_EVERY  # wanted: renew it often
             else:  # every point is on its way, none has finished a query yet
                 picked, why = max(self.points, key=lambda p: self._last[p.name]), "none measured"
-            if t_held and picked is not held:  # it runs beside the held point's time now
+            if t_held and picked.name != self._held.get(band):  # beside the held point's time now
                 self._ref[(picked.name, band)] = t_held
             self._tried.add((picked.name, band))
             self._last[picked.name] = self._batches
