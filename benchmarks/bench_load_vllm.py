@@ -27,7 +27,8 @@ SIGTERM or SIGHUP.
 
     python benchmarks/bench_load_vllm.py [--concurrency 1,4,16] [--with-64] [--rounds 3]
         [--requests 0] [--settle -1] [--scenes 8] [--judges large,prefix,none] [--points FILE]
-        [--placement split] [--executor uni] [--equal-hardware] [--out runs/bench-load-vllm]
+        [--placement split] [--executor uni] [--equal-hardware] [--busy 0]
+        [--out runs/bench-load-vllm]
 
 Placement (``--placement``). ``split`` (default) binds each server's engine threads to cores of
 its own (the small model the first half of this process's cores, the large model the rest);
@@ -50,6 +51,10 @@ after a small-model request. ``mp`` is vLLM's CPU default. With
 ``agent-only/all`` sends agent-only's queries to it: agent-only on the hardware both of
 SpecEyes' servers hold.
 
+With ``--busy N``, N CPU-bound processes (bound to no core) run through the timed rounds: the
+load of another job on the machine, which the interleaved rounds should spread over every mode
+alike, so that the ratios match a quiet run's.
+
 The vLLM environment is ``.venv-vllm`` (``bash tests/vllm_env/setup.sh``) or ``--vllm-python``.
 """
 
@@ -63,6 +68,7 @@ import os
 import platform
 import random
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -324,6 +330,15 @@ def start_servers(
     return servers
 
 
+# A core's worth of work that never waits: the load another job puts on the machine.
+_SPIN = "while True:\n    pass\n"
+
+
+def start_busy(n: int) -> list[subprocess.Popen[bytes]]:
+    """``n`` CPU-bound processes, bound to no core (the caller kills them)."""
+    return [subprocess.Popen([sys.executable, "-c", _SPIN]) for _ in range(n)]
+
+
 def _signals_as_interrupt() -> None:
     """SIGTERM and SIGHUP raise KeyboardInterrupt, so the servers' clean-up runs."""
 
@@ -485,6 +500,11 @@ def main() -> int:
         "--equal-hardware", action="store_true",
         help=f"also {AGENT_ONLY_ALL}: agent-only on a third server that has every core",
     )  # fmt: skip
+    ap.add_argument(
+        "--busy", type=int, default=0, metavar="N",
+        help="N CPU-bound processes (bound to no core, normal priority) run through the timed "
+        "rounds: the same ratios on a machine busy with something else (default 0)",
+    )  # fmt: skip
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-load-vllm")
     ap.add_argument("--start-timeout", type=float, default=600.0, help="seconds per server")
     ap.add_argument(
@@ -492,6 +512,8 @@ def main() -> int:
         help="the vLLM environment's python (default: .venv-vllm/bin/python)",
     )  # fmt: skip
     args = ap.parse_args()
+    if args.busy < 0:
+        ap.error("--busy takes a count >= 0")
     cs = [int(x) for x in args.concurrency.split(",") if x.strip()]
     if args.with_64 and 64 not in cs:
         cs.append(64)
@@ -531,6 +553,7 @@ def main() -> int:
     t_all = time.perf_counter()
     servers: list[Any] = []
     apps: list[ServerThread] = []
+    hogs: list[subprocess.Popen[bytes]] = []
     cells: dict[tuple[str, int], Cell] = {}
     try:
         with tempfile.TemporaryDirectory() as tmp:
@@ -562,6 +585,7 @@ def main() -> int:
             for m in modes:
                 asyncio.run(closed_loop(urls[m.label], bodies, queries, 0, len(queries), 4))
             print(f"warm-up done at {time.perf_counter() - t_all:.0f} s", flush=True)
+            hogs = start_busy(args.busy)
             for c in cs:
                 n = args.requests or max(4 * c, MIN_REQUESTS)
                 settle = n if args.settle < 0 else args.settle
@@ -582,6 +606,9 @@ def main() -> int:
                         logging.getLogger("speceyes.operating_points").info(line)
                         print(line, flush=True)
     finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
         for a in apps:
             a.stop()
         for s in servers:
@@ -599,6 +626,7 @@ def main() -> int:
         "cpus": os.cpu_count(),
         "placement": args.placement,
         "executor": args.executor,
+        "busy": args.busy,
         "server_cores": {n: cpus[n] for n in ("small", "large", *extra)},
         "load_avg": os.getloadavg(),
         "machine": platform.platform(),

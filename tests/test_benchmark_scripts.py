@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -146,3 +148,19 @@ def test_load_benchmark_places_each_engine_on_cores_of_its_own():
     line = bench.equal_hardware_lines(rows)[-1]
     assert line == ("C=16: against agent-only/all (2.50 queries/s): agent-only 0.80x, "
                     "speceyes/none 2.00x")
+
+
+def test_load_benchmark_busy_processes_burn_a_core_until_killed():
+    """``--busy N``: each process is CPU-bound (it spends its time on the CPU, not waiting)."""
+    bench = _load(BENCHMARKS / "bench_load_vllm.py")
+    assert bench.start_busy(0) == []
+    (hog,) = bench.start_busy(1)
+    try:
+        time.sleep(1.0)
+        fields = Path(f"/proc/{hog.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        cpu_s = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+        assert hog.poll() is None and cpu_s > 0.1
+    finally:
+        hog.kill()
+        hog.wait()
+    assert hog.returncode is not None
