@@ -304,11 +304,17 @@ class PointChooser:
     again, so a time measured under another mix is renewed. Each re-run that the rule then does
     not follow doubles that point's wait (up to ``EXPLORE_MAX``), and the rule choosing it resets
     the wait: a point that keeps losing costs a number of batches that grows with the log of the
-    run's length, not with its length. Thread-safe (agent loops end on another thread under the
-    pipelined schedule)."""
+    run's length, not with its length. A re-run also costs what the point is slower than the
+    quickest: a point ``x`` slower (0.5 for 50%) waits at least ``x * others / EXPLORE_COST``
+    batches, ``others`` being the points that lose with it, so that the re-runs of the losers
+    together spend at most ``EXPLORE_COST`` of the band's time on their excess (at one client a
+    batch is one query, and agent-only, 1.5x slower there, would otherwise run one query in 25);
+    no wait exceeds ``EXPLORE_MAX``, so a change of load is still seen.
+    Thread-safe (agent loops end on another thread under the pipelined schedule)."""
 
     EXPLORE_EVERY = 24  # batches after which a point not run since runs one batch again
     EXPLORE_MAX = 16 * EXPLORE_EVERY  # the longest wait a losing point's re-runs back off to
+    EXPLORE_COST = 0.02  # the share of a band's time the losers' re-runs may spend on their excess
     PRIOR_QUERIES = 64  # the calibrated share answered without the agent counts as this many
     HOLD_MARGIN = 0.1  # default: how much less time another point needs to displace the held
 
@@ -338,7 +344,8 @@ class PointChooser:
             untried = [p for p in self.points if (p.name, band) not in self._tried]
             times = {p.name: self._expected(p, band) for p in self.points}
             measured = [p for p in self.points if times[p.name] is not None]
-            stale = [p for p in measured if self._batches - self._last[p.name] > self._wait[p.name]]
+            waits = self._rerun_waits(measured, times)
+            stale = [p for p in measured if self._batches - self._last[p.name] > waits[p.name]]
             held = next((p for p in measured if p.name == self._held.get(band)), None)
             t_held = times[held.name] if held is not None else None
             if untried:
@@ -374,6 +381,21 @@ class PointChooser:
             log.debug("hold %g, batch %d, %d in flight (band %d): %s (%s); %s",
                       self.hold_margin, self._batches, in_flight, band, picked.name, why, shown)
         return picked
+
+    def _rerun_waits(
+        self, measured: Sequence[OperatingPoint], times: dict[str, float | None]
+    ) -> dict[str, int]:
+        """Batches each measured point waits before a re-run: its backed-off wait, or longer
+        where the re-run's excess over the quickest point's time would cost more than
+        ``EXPLORE_COST`` of the band's time."""
+        quickest = min((times[p.name] or 0.0 for p in measured), default=0.0)
+        others = max(1, len(measured) - 1)
+        waits: dict[str, int] = {}
+        for p in measured:
+            excess = (times[p.name] or 0.0) / quickest - 1.0 if quickest > 0 else 0.0
+            by_cost = math.ceil(round(excess * others / self.EXPLORE_COST, 6))
+            waits[p.name] = max(self._wait[p.name], min(by_cost, self.EXPLORE_MAX))
+        return waits
 
     def observe(
         self, point: OperatingPoint, in_flight: int, seconds: float, early: bool = False

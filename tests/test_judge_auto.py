@@ -126,9 +126,31 @@ def measured_large_and_none() -> tuple[OperatingPoint, OperatingPoint, PointChoo
 
 
 def test_a_point_not_run_for_a_while_runs_again():
-    large, none, chooser = measured_large_and_none()
-    picks = [chooser.choose(256) for _ in range(PointChooser.EXPLORE_EVERY + 2)]
-    assert picks.count(large) == 1 and picks.count(none) == len(picks) - 1
+    """A point close behind the quickest runs one batch again after EXPLORE_EVERY batches; one
+    far behind waits until its re-runs' excess is worth EXPLORE_COST of the time."""
+    large, none = (OperatingPoint(**p) for p in POINTS)
+    every = PointChooser.EXPLORE_EVERY
+    assert PointChooser.EXPLORE_COST == 0.02  # 1.6 s against 1.0: 0.6 / 0.02 = 30 batches
+    for t_large, wait in ((1.01, every), (1.6, 30)):
+        chooser = PointChooser([large, none])
+        times = {"large": t_large, "none": 1.0}
+        picks = [serve(chooser, 1, times) for _ in range(wait + 8)]
+        reruns = [i for i, p in enumerate(picks) if p == "large" and i >= 2]
+        assert reruns == [wait + 1], (t_large, reruns)  # large ran batch 0; a wait later
+
+
+def test_re_runs_spend_at_most_the_explore_cost_on_their_excess():
+    """At one client a batch is one query: agent-only, 1.5x slower there, costs its excess on
+    every re-run; the losers together spend at most EXPLORE_COST of the time on theirs."""
+    large, none = (OperatingPoint(**p) for p in POINTS)
+    agent = OperatingPoint(AGENT_POINT)
+    chooser = PointChooser([large, none, agent])
+    times = {"large": 1.01, "none": 1.0, "agent": 1.5}
+    picks = [serve(chooser, 1, times, n=1) for _ in range(2000)]
+    excess = sum(times[p] - 1.0 for p in picks[3:])  # after the first trial of each
+    assert excess / len(picks[3:]) <= PointChooser.EXPLORE_COST
+    assert 1 <= picks[3:].count("agent") <= 2000 * PointChooser.EXPLORE_COST / 0.5 / 2
+    assert picks.count("none") > 0.97 * len(picks)
 
 
 def test_a_point_that_keeps_losing_is_rerun_ever_more_rarely_until_the_load_favours_it():
