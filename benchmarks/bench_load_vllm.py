@@ -137,12 +137,17 @@ class Cell:
     wall_s: float = 0.0
     errors: int = 0
     round_qps: list[float] = field(default_factory=list)  # each round's queries/s, in order
+    cpu_s: dict[str, float] = field(default_factory=dict)  # CPU seconds by process group
 
-    def add_round(self, got: list[Sample], errors: int, wall_s: float) -> None:
+    def add_round(
+        self, got: list[Sample], errors: int, wall_s: float, cpu_s: dict[str, float] | None = None
+    ) -> None:
         self.samples += got
         self.errors += errors
         self.wall_s += wall_s
         self.round_qps.append(len(got) / wall_s if wall_s > 0 else 0.0)
+        for group, seconds in (cpu_s or {}).items():
+            self.cpu_s[group] = self.cpu_s.get(group, 0.0) + seconds
 
     def summary(self) -> dict[str, Any]:
         lat = np.array([s.latency_s for s in self.samples]) if self.samples else np.zeros(0)
@@ -159,6 +164,12 @@ class Cell:
             "p95_s": float(np.percentile(lat, 95)) if n else None,
             "accuracy": sum(s.correct for s in self.samples) / n if n else None,
             "small_share": sum(s.route == SMALL_ROUTE for s in self.samples) / n if n else None,
+            # where the CPU went: ms per query by process (each server's tree; this process,
+            # which holds the apps and the clients), and the cores busy over the timed rounds
+            "cpu_ms_per_query": {g: round(1000 * v / n, 1) for g, v in self.cpu_s.items()}
+            if n else {},
+            "cores_busy": round(sum(self.cpu_s.values()) / self.wall_s, 2)
+            if self.cpu_s and self.wall_s > 0 else None,
             "points": dict(Counter(s.point for s in self.samples if s.point is not None)),
             # auto: its points per load band (operating_points.load_level), to see where the
             # trials of a band new to it went
@@ -302,6 +313,39 @@ async def closed_loop(
     return samples, errors, time.perf_counter() - t0
 
 
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (Linux ``/proc``; just ``pid`` elsewhere)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if entry.isdigit():
+            try:  # the fields after the command name, whose parentheses may hold spaces
+                ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # gone meanwhile
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds the processes ``pids`` have used so far (all their threads)."""
+    total = 0.0
+    for p in pids:
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / _TICK
+        except (OSError, IndexError, ValueError):
+            continue
+    return total
+
+
 def start_servers(
     log_dir: Path,
     timeout: float,
@@ -392,7 +436,25 @@ def table(rows: list[dict[str, Any]]) -> str:
             f" | {f(r['accuracy'], '.1%')} | {f(r['small_share'], '.0%')}"
             f" | {_points_text(r.get('points') or {})} |"
         )
-    return "\n".join(out + auto_lines(rows) + equal_hardware_lines(rows))
+    return "\n".join(out + auto_lines(rows) + equal_hardware_lines(rows) + cpu_lines(rows))
+
+
+def cpu_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """Per C and mode: the CPU milliseconds per query by process and the cores busy."""
+    if not any(r.get("cpu_ms_per_query") for r in rows):
+        return []
+    groups = list(dict.fromkeys(g for r in rows for g in r.get("cpu_ms_per_query") or {}))
+    out = ["", "CPU per query (ms) by process, and cores busy over the timed rounds:", "",
+           "| C | mode | " + " | ".join(groups) + " | total | cores busy |",
+           "|---|---|" + "---|" * (len(groups) + 2)]
+    for r in rows:
+        ms = r.get("cpu_ms_per_query") or {}
+        if not ms:
+            continue
+        out.append(f"| {r['concurrency']} | {r['mode']} | "
+                   + " | ".join(f"{ms.get(g, 0.0):.1f}" for g in groups)
+                   + f" | {sum(ms.values()):.1f} | {r.get('cores_busy') or 0:.2f} |")
+    return out
 
 
 def equal_hardware_lines(rows: list[dict[str, Any]]) -> list[str]:
@@ -586,6 +648,11 @@ def main() -> int:
                 asyncio.run(closed_loop(urls[m.label], bodies, queries, 0, len(queries), 4))
             print(f"warm-up done at {time.perf_counter() - t_all:.0f} s", flush=True)
             hogs = start_busy(args.busy)
+            # CPU by process group: each server's process tree (read now: its workers exist),
+            # and this process, which runs every mode's app and the clients
+            groups = {n: process_tree(s.proc.pid) for n, s in zip(("small", "large", *extra),
+                                                                   servers, strict=True)}
+            groups["app"] = [os.getpid()]
             for c in cs:
                 n = args.requests or max(4 * c, MIN_REQUESTS)
                 settle = n if args.settle < 0 else args.settle
@@ -598,10 +665,12 @@ def main() -> int:
                         m = modes[(j + r) % len(modes)]
                         cell = cells.setdefault((m.label, c), Cell(m.label, c))
                         start = (r * n) % len(queries)  # every mode the same queries per round
+                        before = {g: cpu_seconds(p) for g, p in groups.items()}
                         got, errs, wall = asyncio.run(
                             closed_loop(urls[m.label], bodies, queries, start, n, c)
                         )
-                        cell.add_round(got, errs, wall)
+                        used = {g: cpu_seconds(p) - before[g] for g, p in groups.items()}
+                        cell.add_round(got, errs, wall, used)
                         line = f"C={c} round {r} {m.label}: {len(got)} in {wall:.1f} s"
                         logging.getLogger("speceyes.operating_points").info(line)
                         print(line, flush=True)

@@ -125,6 +125,46 @@ def test_uni_executor_keeps_the_worker_in_the_engine_process():
         executor_options("ray")
 
 
+def test_a_bound_server_keeps_its_other_thread_pools_within_its_cores():
+    """A server bound to N cores runs every OpenMP pool at N threads: pools as wide as the
+    machine spin at their barriers when another process holds one of their cores."""
+    from tests.vllm_support import bound_threads_env, core_count
+
+    assert [core_count(c) for c in ("1", "2-3", "0,1", "0,2-3", " 4 ")] == [1, 2, 2, 3, 1]
+    assert bound_threads_env("2-3") == {"VLLM_CPU_OMP_THREADS_BIND": "2-3", "OMP_NUM_THREADS": "2"}
+    for bad in ("", "a", "3-1", "1-", "0;1"):
+        with pytest.raises(ValueError, match="not a CPU list"):
+            core_count(bad)
+
+
+def test_load_benchmark_counts_the_cpu_each_process_uses_per_query():
+    """Each cell records CPU seconds by process group (a server's whole process tree), and
+    the table shows them per query beside the cores busy."""
+    import subprocess
+
+    bench = _load(BENCHMARKS / "bench_load_vllm.py")
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert child.pid in bench.process_tree(os.getpid())
+    finally:
+        child.kill()
+        child.wait()
+    before = bench.cpu_seconds([os.getpid()])
+    t0 = time.process_time()
+    while time.process_time() - t0 < 0.3:  # 0.3 s of this process's CPU
+        pass
+    assert bench.cpu_seconds([os.getpid()]) - before >= 0.2
+    cell = bench.Cell("speceyes/none", 16)
+    got = [bench.Sample(0.1, True, "small")] * 10
+    cell.add_round(got, 0, 2.0, {"small": 0.5, "large": 1.0, "app": 0.5})
+    cell.add_round(got, 0, 2.0, {"small": 0.5, "large": 1.0, "app": 0.5})
+    row = cell.summary()
+    assert row["cpu_ms_per_query"] == {"small": 50.0, "large": 100.0, "app": 50.0}
+    assert row["cores_busy"] == 1.0
+    text = "\n".join(bench.cpu_lines([row]))
+    assert "| 16 | speceyes/none | 50.0 | 100.0 | 50.0 | 200.0 | 1.00 |" in text
+
+
 def test_load_benchmark_places_each_engine_on_cores_of_its_own():
     """``split`` gives the two engines disjoint cores (an idle vLLM CPU worker busy-polls its
     core for a second, so engines on one core slow each other); ``shared`` is vLLM's own."""

@@ -204,6 +204,27 @@ def executor_options(executor: str) -> tuple[list[str], dict[str, str]]:
     return [], {}
 
 
+def core_count(cpus: str) -> int:
+    """The number of cores in a Linux CPU list such as ``"1"``, ``"2-3"`` or ``"0,2-3"``."""
+    n = 0
+    for part in cpus.split(","):
+        lo, dash, hi = part.strip().partition("-")
+        if not lo.isdigit() or (dash and (not hi.isdigit() or int(hi) < int(lo))):
+            raise ValueError(f"not a CPU list: {cpus!r}")
+        n += int(hi) - int(lo) + 1 if dash else 1
+    return n
+
+
+def bound_threads_env(cpus: str) -> dict[str, str]:
+    """The environment of a server whose engine is bound to ``cpus``: the binding, and every
+    other OpenMP pool in the process (torch ops outside the engine's bound threads) no wider than
+    it. Left at torch's default (every core of the machine), those pools spin at their barriers
+    whenever another process holds one of their cores: on 2 shared cores under the load
+    benchmark, the small server burnt 70-90 ms of CPU per request against 3-7 ms alone, and
+    SpecEyes lost a third of its throughput (docs/throughput.md, run 19)."""
+    return {"VLLM_CPU_OMP_THREADS_BIND": cpus, "OMP_NUM_THREADS": str(core_count(cpus))}
+
+
 def launch_server(
     model: Path,
     log: Path,
@@ -215,15 +236,16 @@ def launch_server(
     it. Call from the thread that outlives the server: Linux delivers the parent-death signal
     when the *thread* that started the child exits. ``cpus``: the cores its engine's threads
     are bound to (``VLLM_CPU_OMP_THREADS_BIND``, for example ``"1"`` or ``"2-3"``); default
-    vLLM's own choice, which on one NUMA node binds every server to the same cores.
-    ``executor``: one of :data:`EXECUTORS`."""
+    vLLM's own choice, which on one NUMA node binds every server to the same cores. A bound
+    server's other torch thread pools get as many threads as it has cores
+    (``OMP_NUM_THREADS``, :func:`bound_threads_env`). ``executor``: one of :data:`EXECUTORS`."""
     from tests.test_openai_logic import free_port  # here: a test module, imported after collection
 
     extra_args, extra_env = executor_options(executor)
     port = free_port()
     env = {**os.environ, **vllm_env()}
     if cpus is not None:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = cpus
+        env.update(bound_threads_env(cpus))
     env.update(extra_env)
     command = [*server_command(model, port, names), *extra_args]
     out = log.open("wb")
