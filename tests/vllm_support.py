@@ -220,8 +220,8 @@ def bound_threads_env(cpus: str) -> dict[str, str]:
     other OpenMP pool in the process (torch ops outside the engine's bound threads) no wider than
     it. Left at torch's default (every core of the machine), those pools spin at their barriers
     whenever another process holds one of their cores: on 2 shared cores under the load
-    benchmark, the small server burnt 70-90 ms of CPU per request against 3-7 ms alone, and
-    SpecEyes lost a third of its throughput (docs/throughput.md, run 19)."""
+    benchmark, the small server burnt 50-90 ms of CPU per request against 3-7 ms alone, and
+    SpecEyes lost up to a third of its throughput (docs/throughput.md, runs 18-20)."""
     return {"VLLM_CPU_OMP_THREADS_BIND": cpus, "OMP_NUM_THREADS": str(core_count(cpus))}
 
 
