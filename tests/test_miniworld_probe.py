@@ -107,6 +107,10 @@ def test_position_probe_cli_on_a_fresh_architecture(tmp_path, capsys):
         P.model_folder(tmp_path / "nothing")
     with pytest.raises(SystemExit):
         P.main(["--arch", "qwen3_vl", str(tmp_path)])  # MODEL and --arch exclude each other
+    with pytest.raises(SystemExit):
+        P.main(["--vision-pos", "sincos", str(tmp_path)])  # a lever of a fresh model only
+    with pytest.raises(SystemExit):
+        P.main(["--arch", "qwen2_5_vl", "--vision-pos", "sincos"])  # no learned grid there
 
 
 def test_a_runs_role_folder_is_probed_through_its_stage_b_export(tmp_path):
@@ -125,3 +129,42 @@ def test_a_runs_role_folder_is_probed_through_its_stage_b_export(tmp_path):
     assert folder == role / "export"
     assert torch.equal(M.load_backend(folder).model.state_dict()[key], trained[key])
     assert P.model_folder(base) == base  # a model folder is used as it is
+
+
+def test_sincos_grid_gives_every_cell_its_own_unit_code_and_near_cells_near_codes():
+    import numpy as np
+
+    g = M.sincos_grid(8, 32)
+    assert g.shape == (64, 32)
+    assert np.allclose(np.linalg.norm(g, axis=1), 1.0)
+    sim = g @ g.T
+    assert (sim[~np.eye(64, dtype=bool)] < 1 - 1e-6).all()  # no two cells alike
+    # cell (3, 3): its row and column neighbours are nearer than the far corner
+    c, right, below, corner = 3 * 8 + 3, 3 * 8 + 4, 4 * 8 + 3, 7 * 8 + 7
+    assert sim[c, right] > sim[c, corner] and sim[c, below] > sim[c, corner]
+    with pytest.raises(ValueError, match="multiple of 4"):
+        M.sincos_grid(8, 30)
+
+
+def test_a_fresh_qwen3_vl_base_can_start_with_the_sincos_position_grid(tmp_path):
+    import numpy as np
+    import torch
+
+    random_base = M.build_base(tmp_path / "a", "large", M.TINY, 0, "qwen3_vl")
+    base = M.build_base(tmp_path / "b", "large", M.TINY, 0, "qwen3_vl", vision_pos="sincos")
+    assert not (tmp_path / "b" / ".base.tmp").exists()  # built aside, moved in whole
+    weights = {
+        name: M.load_backend(folder).model.model.visual.pos_embed.weight.detach()
+        for name, folder in (("random", random_base), ("sincos", base))
+    }
+    grid = weights["sincos"].numpy()
+    side = int(round(len(grid) ** 0.5))
+    code = M.sincos_grid(side, grid.shape[1])
+    norms = np.linalg.norm(grid, axis=1)
+    assert np.allclose(grid / norms[:, None], code, atol=1e-5)  # the grid, one scale for all
+    assert np.allclose(norms, norms[0])
+    assert norms[0] > 10 * torch.linalg.norm(weights["random"], dim=1).mean().item()
+    with pytest.raises(ValueError, match="unknown vision position init"):
+        M.build_base(tmp_path / "c", "large", M.TINY, 0, "qwen3_vl", vision_pos="learned")
+    with pytest.raises(ValueError, match="no learned vision position grid"):
+        M.init_vision_positions(M.build_base(tmp_path / "d", "large", M.TINY, 0, "qwen2_5_vl"))

@@ -33,6 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
+from speceyes.miniworld.tinymodel import VISION_POS_INITS
+
 
 def section_frequencies(config: dict) -> dict[str, np.ndarray]:
     """Inverse frequencies (radians per position) of each M-RoPE section, t, h and w, of a
@@ -117,12 +119,13 @@ def build_probe_model(
     rope_theta: float | None = None,
     head_dim: int | None = None,
     mrope_section: Sequence[int] | None = None,
+    vision_pos: str = "random",
 ) -> Path:
     """A large model of ``arch`` at the bundled large model's sizes, initialised as a training
     run from scratch initialises it (``dest/base``), with the rotary levers applied."""
     from speceyes.miniworld.tinymodel import ModelSize, build_base, rebuild_text_rope
 
-    base = build_base(dest, "large", ModelSize(), seed, arch)
+    base = build_base(dest, "large", ModelSize(), seed, arch, vision_pos=vision_pos)
     if rope_theta is not None or head_dim is not None or mrope_section is not None:
         rebuild_text_rope(base, seed, rope_theta, head_dim, mrope_section)
     return base
@@ -173,6 +176,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--mrope-section", type=_section, help="--arch: M-RoPE frequency pairs t,h,w (e.g. 8,12,12)"
     )
     ap.add_argument(
+        "--vision-pos", choices=VISION_POS_INITS, default="random",
+        help="--arch qwen3_vl: the vision tower's learned position grid at initialisation: "
+        "random (transformers' default) or a 2D sine-cosine grid (default random)",
+    )  # fmt: skip
+    ap.add_argument(
         "--build-dir", type=Path, help="--arch: where to write the model (default: a temp folder)"
     )
     ap.add_argument("--scenes", type=int, default=160, help="val scenes (default 160)")
@@ -182,8 +190,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if (args.model is None) == (args.arch is None):
         ap.error("give either MODEL or --arch")
     levers = (args.rope_theta, args.head_dim, args.mrope_section)
-    if args.arch is None and any(v is not None for v in levers):
-        ap.error("--rope-theta, --head-dim and --mrope-section need --arch")
+    if args.arch is None and (any(v is not None for v in levers) or args.vision_pos != "random"):
+        ap.error("--rope-theta, --head-dim, --mrope-section and --vision-pos need --arch")
+    if args.vision_pos != "random" and args.arch != "qwen3_vl":
+        ap.error("--vision-pos: only Qwen3-VL has a learned vision position grid")
     import tempfile
 
     import torch
@@ -194,8 +204,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         if args.arch is not None:
             folder = build_probe_model(
-                args.build_dir or Path(tmp), args.arch, args.init_seed, *levers
-            )
+                args.build_dir or Path(tmp), args.arch, args.init_seed, *levers,
+                vision_pos=args.vision_pos,
+            )  # fmt: skip
         else:
             folder = model_folder(args.model)
         backend = load_backend(folder)

@@ -70,10 +70,15 @@ def build_base(
     seed: int,
     family: str | None = None,
     from_folder: Path | None = None,
+    vision_pos: str = "random",
 ) -> Path:
     """A fresh random checkpoint of the role's family with its view budget, in role_dir/base;
     or, with ``from_folder`` (a save_pretrained model such as a bundled one), a copy of it, so a
-    stage can start from the weights the repository ships when no run folder is left."""
+    stage can start from the weights the repository ships when no run folder is left.
+    ``vision_pos="sincos"``: a fresh Qwen3-VL model's vision position grid starts as
+    :func:`init_vision_positions` writes it."""
+    if vision_pos not in VISION_POS_INITS:
+        raise ValueError(f"unknown vision position init {vision_pos!r}: {VISION_POS_INITS}")
     from speceyes.tiny import build_tiny_model
 
     base = role_dir / "base"
@@ -85,8 +90,12 @@ def build_base(
         shutil.copytree(from_folder, tmp)
         os.replace(tmp, base)
         return base
+    # Built aside and moved in whole: a crash part-way must not leave a base that a resumed
+    # run would take as finished (its config written, its position grid not yet).
+    tmp = role_dir / ".base.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
     build_tiny_model(
-        base,
+        tmp,
         family or FAMILY[role],
         text_hidden=size.text_hidden,
         text_layers=size.text_layers,
@@ -97,14 +106,66 @@ def build_base(
         vocab_size=720,
     )
     # The view budget lives in the image processor config, as in a real checkpoint.
-    cfg_path = base / "preprocessor_config.json"
+    cfg_path = tmp / "preprocessor_config.json"
     cfg = json.loads(cfg_path.read_text())
     factor = cfg["patch_size"] * cfg["merge_size"]
     cfg["max_pixels"] = VIEW_PIXELS[role]
     cfg["min_pixels"] = 4 * factor * factor
     cfg["size"] = {"shortest_edge": 4 * factor * factor, "longest_edge": VIEW_PIXELS[role]}
     cfg_path.write_text(json.dumps(cfg, indent=2))
+    if vision_pos == "sincos":
+        init_vision_positions(tmp)
+    os.replace(tmp, base)
     return base
+
+
+VISION_POS_INITS = ("random", "sincos")
+# --vision-pos sincos: the grid's norm as a multiple of a patch embedding's. At 1x the
+# position read-out of a fresh Qwen3-VL large model reached left/right 0.87 (seed 0); at 3x
+# 0.91-0.93 on three weight seeds, at 5x and 10x no better (docs/miniworld-training.md).
+SINCOS_SCALE = 3.0
+
+
+def sincos_grid(side: int, dim: int) -> np.ndarray:
+    """A ``side`` x ``side`` grid of 2D sine-cosine position codes, one row per cell in
+    row-major order, each of unit norm: a quarter of ``dim`` each for sin and cos of the row and
+    of the column, at frequencies from pi / side (a half turn across the grid) to pi (one cell
+    apart), geometrically spaced, so that near cells get near codes and every cell a distinct
+    one (the fixed 2D embedding of MAE, He et al. 2022, at these frequencies)."""
+    if dim % 4:
+        raise ValueError(f"the vision width must be a multiple of 4, got {dim}")
+    k = dim // 4
+    freqs = np.pi / side * 2.0 ** np.linspace(0.0, np.log2(side), k)
+    rows, cols = np.divmod(np.arange(side * side, dtype=np.float64), side)
+    code = np.concatenate([np.sin(np.outer(rows, freqs)), np.cos(np.outer(rows, freqs)),
+                           np.sin(np.outer(cols, freqs)), np.cos(np.outer(cols, freqs))], axis=1)
+    return code / np.linalg.norm(code, axis=1, keepdims=True)
+
+
+def init_vision_positions(folder: Path, scale: float = SINCOS_SCALE) -> Path:
+    """Replace a Qwen3-VL folder's learned vision position grid (``visual.pos_embed``, random
+    at initialisation) by :func:`sincos_grid` at ``scale`` times a patch embedding's mean norm,
+    in place. At random initialisation that grid is so small beside the patch embeddings that a
+    fresh model hardly tells left from right (read-out 0.63-0.73); the sine-cosine grid gives
+    every image token its place from the first step (0.91-0.93), which box coordinates need."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
+    vis = getattr(model.model, "visual", None)
+    if vis is None or not hasattr(vis, "pos_embed"):
+        raise ValueError(f"{folder}: no learned vision position grid (a Qwen3-VL model has one)")
+    n, dim = vis.pos_embed.weight.shape
+    side = int(round(n**0.5))
+    cfg = vis.config
+    patch = cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size**2
+    with torch.no_grad():  # a patch embedding's typical norm, on pixels the processor's range
+        g = torch.Generator().manual_seed(0)
+        norm = vis.patch_embed(torch.rand(256, patch, generator=g) * 2 - 1).norm(dim=-1).mean()
+        grid = torch.from_numpy(sincos_grid(side, dim)).float() * norm * scale
+        vis.pos_embed.weight.copy_(grid)
+    model.save_pretrained(folder)
+    return folder
 
 
 def rebuild_text_rope(

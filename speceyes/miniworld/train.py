@@ -50,6 +50,7 @@ from speceyes.miniworld.scenes import COLORS, SHAPES
 from speceyes.miniworld.tinymodel import (
     ROLES,
     TINY,
+    VISION_POS_INITS,
     Head,
     ModelSize,
     build_base,
@@ -93,7 +94,7 @@ def stage_a(cfg: TrainConfig, role_dir: Path, size: ModelSize) -> dict:
     """Vision warm-start: vision tower + linear heads on shape and colour of one sprite."""
     import torch
 
-    base = build_base(role_dir, cfg.role, size, cfg.seed, cfg.family)
+    base = build_base(role_dir, cfg.role, size, cfg.seed, cfg.family, vision_pos=cfg.vision_pos)
     backend = load_backend(base)
     model = backend.model
     head = Head(size.text_hidden, cfg.seed)
@@ -214,7 +215,8 @@ def stage_b(cfg: TrainConfig, role_dir: Path, size: ModelSize) -> dict:
     import torch
 
     folder = cfg.init_from if cfg.init_from is not None and cfg.init_from.is_dir() else None
-    base = build_base(role_dir, cfg.role, size, cfg.seed, cfg.family, from_folder=folder)
+    base = build_base(role_dir, cfg.role, size, cfg.seed, cfg.family, from_folder=folder,
+                      vision_pos=cfg.vision_pos)
     backend = load_backend(base)
     model = backend.model
     vis = [
@@ -391,6 +393,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("qwen2_5_vl", "qwen3_vl"),
         help="override the role's architecture (only when its base is first built)",
     )
+    p.add_argument(
+        "--vision-pos", choices=VISION_POS_INITS,
+        help="a Qwen3-VL base built from scratch: its vision position grid at initialisation, "
+        "random or a 2D sine-cosine grid (which a box-writing large model needs to tell left "
+        "from right; docs/miniworld-training.md)",
+    )  # fmt: skip
     p.add_argument("--tiny", action="store_true", help="a very small model (smoke tests)")
     p.add_argument("--threads", type=int)
     # The defaults are TrainConfig's, so a config built in code matches the command line's.

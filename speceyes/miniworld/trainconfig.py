@@ -55,6 +55,7 @@ class TrainConfig:
     eval_every: int = 5  # stage A: evaluate every N log lines
     save_every: float = 120.0  # seconds between checkpoints
     family: str | None = None  # override the role's architecture when its base is first built
+    vision_pos: str = "random"  # a fresh Qwen3-VL base's vision position grid: random or sincos
     tiny: bool = False  # a very small model (smoke tests)
     threads: int = 2  # torch CPU threads
 
