@@ -90,8 +90,9 @@ class Query:
     answer: str | None = None
     category: str | None = None
     meta: dict[str, Any] = field(default_factory=dict)
-    # Seconds it waited in a server's queue before its batch opened (serve stamps it); the
-    # load-aware choice counts it in the query's time in the system.
+    # Seconds from a server's receiving it to its batch's opening: its body read, parsed and
+    # decoded, then its wait in the queue (serve stamps it); the load-aware choice counts it in
+    # the query's time in the system.
     queued_s: float = field(default=0.0, compare=False)
 
     def image_label(self) -> str:
