@@ -243,20 +243,19 @@ def load_level(in_flight: int) -> int:
 
 
 class _Recent:
-    """A mean of the recent observations, each older one weighing ``decay`` times the next
+    """A mean of the recent observations, each older one weighing ``DECAY`` times the next
     (bias-corrected, so the first observation is the mean): latency drifts with the mix of
     queries and the machine's load, and the funnel should follow it."""
 
     DECAY = 0.97  # per query: about the last 33 queries count
 
-    def __init__(self, decay: float = DECAY) -> None:
-        self._decay = decay
+    def __init__(self) -> None:
         self._num = 0.0
         self._den = 0.0
 
     def add(self, x: float) -> None:
-        self._num = self._decay * self._num + x
-        self._den = self._decay * self._den + 1.0
+        self._num = self.DECAY * self._num + x
+        self._den = self.DECAY * self._den + 1.0
 
     @property
     def value(self) -> float | None:
@@ -301,15 +300,7 @@ class PointChooser:
     stayed, and the rule switched for a difference the moment made). So when the point that
     would displace the held one last ran while the held point's time was more than the margin
     away from its time now, that point is measured afresh (one batch, its older times dropped)
-    before any switch. A point other than the held one is timed beside it: each of its query
-    times is divided by the held point's time on that route at that moment (its last few
-    queries, ``NOW_DECAY``), and its expected time is the held point's times by these paired
-    ratios, so a point tried while the queue was filling is not judged by that moment for the
-    rest of the run (run 21 of the load benchmark: `none`, tried as the queue filled, read
-    0.60 s against the held `large`'s 0.49 s while it served 11% more). When the held point's
-    own time has moved by the margin since the quickest other point last ran beside it, that
-    point runs one batch, and its ratio tells whether the move was the queue's or the held
-    point's own. A point not run for ``EXPLORE_EVERY`` batches runs one batch
+    before any switch. A point not run for ``EXPLORE_EVERY`` batches runs one batch
     again, so a time measured under another mix is renewed. Each re-run that the rule then does
     not follow doubles that point's wait (up to ``EXPLORE_MAX``), and the rule choosing it resets
     the wait: a point that keeps losing costs a number of batches that grows with the log of the
@@ -325,7 +316,6 @@ class PointChooser:
     EXPLORE_MAX = 16 * EXPLORE_EVERY  # the longest wait a losing point's re-runs back off to
     EXPLORE_COST = 0.02  # the share of a band's time the losers' re-runs may spend on their excess
     PRIOR_QUERIES = 64  # the calibrated share answered without the agent counts as this many
-    NOW_DECAY = 0.7  # the held point's time now, for pairing: about its last 3 queries
     HOLD_MARGIN = 0.1  # default: how much less time another point needs to displace the held
 
     def __init__(self, points: Sequence[OperatingPoint], hold_margin: float = HOLD_MARGIN) -> None:
@@ -336,12 +326,6 @@ class PointChooser:
         self.points = list(points)
         # (point, band, answered without the agent): recent seconds per query
         self._time: dict[tuple[str, int, bool], _Recent] = {}
-        # the same keys: each of a point's query times over the held point's time on that route
-        # at that moment (paired), for points other than the held one
-        self._ratio: dict[tuple[str, int, bool], _Recent] = {}
-        # the same keys: the last few queries' mean, the moment a paired ratio is taken against
-        # (the 33-query mean lags a queue that fills or drains)
-        self._now: dict[tuple[str, int, bool], _Recent] = {}
         self._held: dict[int, str] = {}  # band: the point the rule chose last there
         # (point, band): the held point's expected time when the point last ran beside it
         self._ref: dict[tuple[str, int], float] = {}
@@ -380,23 +364,10 @@ class PointChooser:
                         why, remeasure = "re-run (measured at another moment)", True
                         for early in (True, False):  # its times are dropped: measured afresh
                             self._time.pop((picked.name, band, early), None)
-                            self._ratio.pop((picked.name, band, early), None)
-                if margin and t_held is not None and picked is held:
-                    # The held point's time moved since the quickest other point last ran
-                    # beside it: that point runs one batch now, so that its paired ratio says
-                    # whether the move was the moment's (both moved) or the held point's own.
-                    moved = [p for p in measured if p is not held
-                             and (then := self._ref.get((p.name, band)))
-                             and abs(t_held / then - 1.0) > margin]  # fmt: skip
-                    if moved:
-                        picked = min(moved, key=lambda p: times[p.name] or 0.0)
-                        why, remeasure = "re-run (the held point's time moved)", True
                 if not remeasure:
                     if picked is not held:  # the others' times now compare with the new one's
                         for p in measured:
                             self._ref[(p.name, band)] = times[picked.name] or 0.0
-                        for key in [k for k in self._ratio if k[1] == band]:
-                            del self._ratio[key]  # pairs with the point no longer held
                     self._held[band] = picked.name
                     self._wait[picked.name] = self.EXPLORE_EVERY  # wanted: renew it often
             else:  # every point is on its way, none has finished a query yet
@@ -434,12 +405,7 @@ class PointChooser:
         answered without the agent loop."""
         band = load_level(max(1, in_flight))
         with self._lock:
-            held = self._held.get(band)
-            now = self._now.get((held, band, early)) if held not in (None, point.name) else None
-            if now is not None and now.value:  # beside the held point's time now
-                self._ratio.setdefault((point.name, band, early), _Recent()).add(seconds / now.value)
             self._time.setdefault((point.name, band, early), _Recent()).add(seconds)
-            self._now.setdefault((point.name, band, early), _Recent(self.NOW_DECAY)).add(seconds)
             self._seen[point.name] += 1
             self._early[point.name] += int(early)
 
@@ -456,7 +422,7 @@ class PointChooser:
             return self._expected(point, band)
 
     def _expected(self, point: OperatingPoint, band: int) -> float | None:
-        own = [self._paired_time(point.name, band, e) for e in (True, False)]
+        own = [self._route_time(point.name, band, e) for e in (True, False)]
         if own == [None, None]:
             return None
         # a route this point has not finished a query on yet: the band's time on it (after one
@@ -469,17 +435,6 @@ class PointChooser:
             return t_early if t_agent is None else t_agent
         s = self.skipped(point)
         return s * t_early + (1.0 - s) * t_agent
-
-    def _paired_time(self, name: str, band: int, early: bool) -> float | None:
-        """A point's time on a route: where it ran beside the held point, the held point's
-        time now times their paired ratio (a point run once in a while is otherwise compared at
-        the moment it last ran, while the held point's time follows the queue); else its own."""
-        held = self._held.get(band)
-        ratio = self._ratio.get((name, band, early)) if held not in (None, name) else None
-        now = self._route_time(held, band, early) if ratio is not None and held else None
-        if now is not None and ratio is not None and ratio.value is not None:
-            return now * ratio.value
-        return self._route_time(name, band, early)
 
     def _route_time(self, name: str, band: int, early: bool) -> float | None:
         t = self._time.get((name, band, early))
