@@ -316,16 +316,21 @@ async def closed_loop(
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
+def _stat_fields(pid: int | str) -> list[str] | None:
+    """The fields of ``/proc/PID/stat`` after the command name (whose parentheses may hold
+    spaces): state, ppid, ...; None when the process is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 def process_tree(pid: int) -> list[int]:
     """``pid`` and its descendants (Linux ``/proc``; just ``pid`` elsewhere)."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        if entry.isdigit():
-            try:  # the fields after the command name, whose parentheses may hold spaces
-                ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue  # gone meanwhile
-            children.setdefault(ppid, []).append(int(entry))
+        if entry.isdigit() and (fields := _stat_fields(entry)) is not None:
+            children.setdefault(int(fields[1]), []).append(int(entry))
     out, todo = [], [pid]
     while todo:
         p = todo.pop()
@@ -338,11 +343,8 @@ def cpu_seconds(pids: list[int]) -> float:
     """User + system CPU seconds the processes ``pids`` have used so far (all their threads)."""
     total = 0.0
     for p in pids:
-        try:
-            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        if (fields := _stat_fields(p)) is not None:  # utime + stime, in clock ticks
             total += (int(fields[11]) + int(fields[12])) / _TICK
-        except (OSError, IndexError, ValueError):
-            continue
     return total
 
 

@@ -202,8 +202,8 @@ class Server(ServerState):
             deadline = None
             if self.request_timeout is not None:
                 deadline = t_arrival + self.request_timeout
-            item = _Item(query, loop.create_future(), loop.time(), deadline, pixels=pixels,
-                         arrived=t_arrival)
+            item = _Item(query, loop.create_future(), loop.time(), t_arrival, deadline,
+                         pixels=pixels)
             pixels = 0  # the item holds them now
             self.waiting.append(item)
             assert self.arrived is not None

@@ -47,23 +47,17 @@ class _Item:
     query: Query
     future: asyncio.Future[tuple[Result, int, float]]
     enqueued: float
+    # loop time its request reached the handler, before its body was read and decoded: the
+    # query's time before the funnel counts from here (under --judge auto that time is part of
+    # its time in the system, and the app's own decoding competes with the funnel's front)
+    arrived: float
     deadline: float | None = None  # loop time past which nobody waits for the answer
     pixels: int = 0  # decoded pixels this request holds in the server-wide budget
     started: bool = False  # handed to the funnel
     handed: float = 0.0
     batch_size: int = 0
-    # loop time its request reached the handler (before its body was read and decoded); the
-    # enqueue time when not given
-    arrived: float | None = None
     abandoned: bool = False  # the request timed out: the answer would go unread
     skipped: bool = False  # and the funnel dropped the query before computing it (all of it)
-
-    def since(self) -> float:
-        """When the server took the request in: its time before the funnel counts from here
-        (reading, parsing and decoding its body, then the queue). Under ``--judge auto`` that
-        time is part of the query's time in the system: the app's own CPU (decoding the next
-        requests) competes with the funnel's front, differently at each operating point."""
-        return self.enqueued if self.arrived is None else self.arrived
 
     def gone(self, now: float) -> bool:
         return self.abandoned or (self.deadline is not None and now >= self.deadline)
@@ -220,7 +214,7 @@ class ServerState:
                     return
                 if len(dropped) < len(batch):
                     yield [
-                        replace(it.query, queued_s=max(0.0, now - it.since()))
+                        replace(it.query, queued_s=max(0.0, now - it.arrived))
                         for it in batch
                         if it not in dropped
                     ]
