@@ -107,6 +107,9 @@ AGENT_ONLY_ALL = "agent-only/all"  # --equal-hardware: agent-only on a server th
 SMALL_ROUTE = "small"  # the route of an answer the small model gave (gate accepted)
 CLIENT_TIMEOUT_S = 900.0
 MIN_REQUESTS = 32  # per mode and round, whatever C: a round must outlast this machine's jitter
+# auto's untimed requests at a new load, in rounds: its first trial of each point (a few
+# turnovers of the queue each, PointChooser.TRIAL_QUERIES counted) takes about two rounds
+SETTLE_ROUNDS = 2
 
 
 @dataclass
@@ -528,8 +531,8 @@ def main() -> int:
         default=-1,
         help="untimed requests that speceyes/auto serves at each C before that C's rounds, so "
         "that its one-time trials at a load new to it fall outside the timed part (its later "
-        "re-runs stay inside); the static modes keep no state to settle (default: one round's "
-        "requests; 0: none, the cold figure)",
+        "re-runs stay inside); the static modes keep no state to settle (default: two rounds' "
+        "requests, about what its first trial of each point takes; 0: none, the cold figure)",
     )
     ap.add_argument(
         "--scenes", type=int, default=8,
@@ -657,7 +660,7 @@ def main() -> int:
             groups["app"] = [os.getpid()]
             for c in cs:
                 n = args.requests or max(4 * c, MIN_REQUESTS)
-                settle = n if args.settle < 0 else args.settle
+                settle = SETTLE_ROUNDS * n if args.settle < 0 else args.settle
                 for m in modes:
                     if settle and m.judge == AUTO:  # untimed: the trials of a load new to it
                         asyncio.run(closed_loop(urls[m.label], bodies, queries, 0, settle, c))

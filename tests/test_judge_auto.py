@@ -13,13 +13,27 @@ from speceyes.cli.options import add_funnel_args, add_model_args
 from speceyes.factory import Settings
 from speceyes.funnel import Funnel, FunnelConfig
 from speceyes.miniworld.splits import level_defaults, make_split
-from speceyes.operating_points import AGENT_POINT, OperatingPoint, PointChooser, load_level
+from speceyes.operating_points import (
+    AGENT_POINT,
+    OperatingPoint,
+    PointChooser,
+    _Recent,
+    load_level,
+)
 from tests.test_cascade_funnel import models  # noqa: F401, F811  the bundled models, one zoom
 
 POINTS = [
     {"judge": "large", "tau": 0.9, "beta": 0.8, "alpha": 0.9},
     {"judge": "none", "tau": 0.95, "beta": 1.0, "alpha": 0.6},
 ]
+
+
+@pytest.fixture
+def one_batch_trials(monkeypatch):
+    """The rule alone, without the stretches a point is measured in under load (tested on
+    their own below): a trial is one batch and every query of it counts."""
+    monkeypatch.setattr(PointChooser, "TRIAL_MAX_BATCHES", 1)
+    monkeypatch.setattr(PointChooser, "HEAD_TURNOVERS", 0.0)
 
 
 def serve(chooser: PointChooser, in_flight: int, seconds: dict[str, float], n: int = 4) -> str:
@@ -30,6 +44,7 @@ def serve(chooser: PointChooser, in_flight: int, seconds: dict[str, float], n: i
     return p.name
 
 
+@pytest.mark.usefixtures("one_batch_trials")
 def test_the_chooser_tries_each_point_then_takes_the_one_whose_queries_wait_least():
     """By Little's law, with N in flight the point whose queries leave soonest serves most."""
     large, none = (OperatingPoint(**p) for p in POINTS)
@@ -41,6 +56,7 @@ def test_the_chooser_tries_each_point_then_takes_the_one_whose_queries_wait_leas
     assert chooser.seconds(none, load_level(16)) == pytest.approx(1.5)
 
 
+@pytest.mark.usefixtures("one_batch_trials")
 def test_each_load_band_is_measured_on_its_own():
     """Alone, the judge's point may be quicker; under load, none's: a time measured at one
     load says nothing of another, so each band tries each point before trusting times."""
@@ -55,6 +71,7 @@ def test_each_load_band_is_measured_on_its_own():
         0, 1, 1, 1, 2, 2, 2, 3, 3, 3, 4]  # fmt: skip
 
 
+@pytest.mark.usefixtures("one_batch_trials")
 def test_a_point_whose_queries_start_waiting_longer_loses_the_lead():
     large, none = (OperatingPoint(**p) for p in POINTS)
     chooser = PointChooser([large, none])
@@ -66,6 +83,7 @@ def test_a_point_whose_queries_start_waiting_longer_loses_the_lead():
     assert picks[-1] == "large" and picks.count("none") < 10
 
 
+@pytest.mark.usefixtures("one_batch_trials")
 def test_times_are_compared_route_by_route_not_by_the_luck_of_a_batch():
     """A batch's mean time is mostly its queries' (one the agent answers takes many times
     longer): each point's time is kept per route and weighed by its share answered early."""
@@ -88,12 +106,13 @@ def test_times_are_compared_route_by_route_not_by_the_luck_of_a_batch():
     assert fresh.skipped(a) < 0.05
 
 
+@pytest.mark.usefixtures("one_batch_trials")
 def test_a_route_not_yet_seen_takes_the_bands_time_on_it():
     """After one query answered at once, a point is not as quick as that query: the agent
     route takes the band's time until its own queries come back from the agent."""
     a = OperatingPoint("large", 0.9, beta=1.0, alpha=0.5)
     b = OperatingPoint("none", 0.9, beta=1.0, alpha=0.5)
-    chooser = PointChooser([a, b])
+    chooser = PointChooser([a, b], clock=lambda: 0.0)  # requests back to back, no gap
     chooser.choose(1)
     chooser.observe(a, 1, 0.5, early=True)  # a's one query: answered at once
     chooser.choose(1)
@@ -105,12 +124,13 @@ def test_a_route_not_yet_seen_takes_the_bands_time_on_it():
 
 
 def test_a_batch_still_under_way_does_not_stall_the_choice():
-    """Before any query has finished, the chooser keeps to the latest point it ran."""
+    """Before any query has finished, the chooser keeps to the point it is trying."""
     large, none = (OperatingPoint(**p) for p in POINTS)
     chooser = PointChooser([large, none])
-    assert [chooser.choose(16) for _ in range(4)] == [large, none, none, none]
+    assert [chooser.choose(16) for _ in range(4)] == [large] * 4
     chooser.observe(large, 16, 1.0)  # large's first queries come back
     assert chooser.choose(16) == large
+    assert chooser.seconds(large, load_level(16)) == pytest.approx(1.0)
 
 
 def measured_large_and_none() -> tuple[OperatingPoint, OperatingPoint, PointChooser]:
@@ -125,6 +145,7 @@ def measured_large_and_none() -> tuple[OperatingPoint, OperatingPoint, PointChoo
     return large, none, chooser
 
 
+@pytest.mark.usefixtures("one_batch_trials")
 def test_a_point_not_run_for_a_while_runs_again():
     """A point close behind the quickest runs one batch again after EXPLORE_EVERY batches; one
     far behind waits until its re-runs' excess is worth EXPLORE_COST of the time."""
@@ -139,6 +160,7 @@ def test_a_point_not_run_for_a_while_runs_again():
         assert reruns == [wait + 1], (t_large, reruns)  # large ran batch 0; a wait later
 
 
+@pytest.mark.usefixtures("one_batch_trials")
 def test_re_runs_spend_at_most_the_explore_cost_on_their_excess():
     """At one client a batch is one query: agent-only, 1.5x slower there, costs its excess on
     every re-run; the losers together spend at most EXPLORE_COST of the time on theirs."""
@@ -153,6 +175,7 @@ def test_re_runs_spend_at_most_the_explore_cost_on_their_excess():
     assert picks.count("none") > 0.97 * len(picks)
 
 
+@pytest.mark.usefixtures("one_batch_trials")
 def test_a_point_that_keeps_losing_is_rerun_ever_more_rarely_until_the_load_favours_it():
     """Re-runs of a losing point back off (each wait twice the last, up to EXPLORE_MAX), so
     at a steady load their cost fades; once the load favours it, the rule takes it at once."""
@@ -183,25 +206,27 @@ def held_a_over_b(
     return a, b, chooser, times
 
 
+@pytest.mark.usefixtures("one_batch_trials")
 def test_points_within_the_margin_do_not_displace_the_one_held():
     """Switching mixes two points in the engine's queue for a gap one run cannot see: the
     held point stays until another's time is HOLD_MARGIN less."""
-    a, b, chooser, _ = held_a_over_b()
-    for _ in range(64):
-        chooser.observe(b, 16, 0.95)  # b is now a little quicker (5%)
-    assert chooser.choose(16) == a
-    for _ in range(64):
-        chooser.observe(b, 16, 0.8)  # 20% quicker
-    assert chooser.choose(16) == b
-    assert chooser.choose(16) == b  # and b is held now
-    a, b, chooser, _ = held_a_over_b(margin=0.0)  # no margin: the least time, always
-    for _ in range(64):
-        chooser.observe(b, 16, 0.95)
-    assert chooser.choose(16) == b
+    every = PointChooser.EXPLORE_EVERY
+    a, b, chooser, times = held_a_over_b()
+    times["none"] = 0.95  # b is now a little quicker (5%): its re-runs show it, a stays
+    picks = [serve(chooser, 16, times) for _ in range(8 * every)]
+    assert picks.count("none") >= 2 and picks[-1] == "large"
+    times["none"] = 0.8  # 20% quicker: after its next re-run b is taken, and held
+    picks = [serve(chooser, 16, times) for _ in range(32 * every)]
+    assert picks[-every:].count("none") >= every - 1
+    a, b, chooser, times = held_a_over_b(margin=0.0)  # no margin: the least time, always
+    times["none"] = 0.9
+    picks = [serve(chooser, 16, times) for _ in range(2 * every)]
+    assert picks[-every:].count("none") >= every - 1  # taken at its re-run (and a's re-run)
     with pytest.raises(ValueError, match="hold margin"):
         PointChooser([a], 1.0)
 
 
+@pytest.mark.usefixtures("one_batch_trials")
 def test_the_others_run_again_once_the_held_points_time_has_moved():
     """While the held point runs, the queue the points share fills and its time rises; the
     others' times are of a quieter moment, so they run again before any switch: when their
@@ -214,6 +239,122 @@ def test_the_others_run_again_once_the_held_points_time_has_moved():
     times.update(large=4.0)  # now only the held point slows: the re-run shows it
     picks = [serve(chooser, 16, times) for _ in range(20)]
     assert picks[-1] == "none" and picks.count("large") < 10
+
+
+class Clock:
+    """A clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_one_in_flight_a_querys_time_runs_on_to_the_next_batch_that_follows_it():
+    """Alone, queries follow one another: what a query leaves the engines to finish after its
+    answer delays the next request, so its time runs on to the next batch's opening, unless
+    the server sat idle in between (a gap longer than the query itself)."""
+    a = OperatingPoint("large", 0.9, beta=1.0, alpha=0.5)
+    clock = Clock()
+    chooser = PointChooser([a], clock=clock)
+    chooser.choose(1)
+    chooser.observe(a, 1, 0.10, early=True)
+    clock.now += 0.03  # the next request arrives 30 ms after the answer
+    chooser.choose(1)
+    assert chooser.seconds(a, 0) == pytest.approx(0.13)
+    chooser.observe(a, 1, 0.10, early=True)
+    clock.now += 5.0  # an idle server: the next request came much later
+    chooser.choose(1)
+    w = _Recent.DECAY
+    assert chooser.seconds(a, 0) == pytest.approx((w * 0.13 + 0.10) / (w + 1))
+    chooser.observe(a, 16, 0.10, early=True)  # under load batches overlap: no cycle to add
+    clock.now += 0.03
+    chooser.choose(16)
+    chooser.choose(1)
+    assert chooser.seconds(a, load_level(16)) == pytest.approx(0.10)
+
+
+@pytest.mark.usefixtures("one_batch_trials")
+def test_one_in_flight_a_point_a_little_quicker_displaces_the_one_held():
+    """No queue mixes points when queries run one at a time: there the held point keeps its
+    place only against a difference within SERIAL_HOLD_MARGIN (under load, HOLD_MARGIN)."""
+    a = OperatingPoint("large", 0.9, beta=1.0, alpha=0.5)
+    b = OperatingPoint("none", 0.9, beta=1.0, alpha=0.5)
+    for in_flight, expected in ((16, a), (1, b)):
+        chooser = PointChooser([a, b], clock=lambda: 0.0)
+        times = {"large": 1.0, "none": 1.05}
+        assert [serve(chooser, in_flight, times, n=1) for _ in range(3)] == [
+            "large", "none", "large"]  # fmt: skip
+        for _ in range(64):
+            chooser.observe(b, in_flight, 0.95)  # b is now 5% quicker
+        assert chooser.choose(in_flight) == expected
+    assert PointChooser.SERIAL_HOLD_MARGIN < 0.05 < PointChooser.HOLD_MARGIN
+
+
+def closed_loop(chooser: PointChooser, clients: int, batches: int, drag: float) -> list[str]:
+    """``clients`` closed-loop clients of one engine, each query its own batch: a query takes
+    its point's time plus ``drag`` times the share of the queries in flight beside it that run
+    the judge's point (whose full-image prefills slow every agent step), half of that on the
+    early route and 1.5 times on the agent's (the routes alternate). The points' picks."""
+    import heapq
+
+    base = {"large": 0.9, "none": 1.0}  # alone, none is quicker: 1.0 s against 0.9 + drag
+    clock = Clock()
+    chooser._clock = clock
+    running: list[tuple[float, int, OperatingPoint, float, bool]] = []
+    picks: list[str] = []
+
+    def open_one() -> None:
+        p = chooser.choose(clients)
+        picks.append(p.name)
+        judged = sum(q[2].judge == "large" for q in running) + (p.judge == "large")
+        early = len(picks) % 2 == 0
+        t = (base[p.name] + drag * judged / (len(running) + 1)) * (0.5 if early else 1.5)
+        heapq.heappush(running, (clock.now + t, len(picks), p, t, early))
+
+    for _ in range(clients):
+        open_one()
+    while len(picks) < batches:
+        settled, _, p, t, early = heapq.heappop(running)
+        clock.now = settled
+        chooser.observe(p, clients, t, early=early)
+        open_one()
+    return picks
+
+
+def test_under_load_a_point_is_timed_in_its_own_queue():
+    """Beside the judge's prefills every query is slower, `none`'s too: alone `none` is the
+    quicker point (1.0 s against 0.9 + 0.3), but among the judge's point's queries it takes
+    1.3 s. Run in stretches, each point is timed after its own queue has turned over, and
+    `none` is found and held, at every load."""
+    a = OperatingPoint("large", 0.9, beta=1.0, alpha=0.5)
+    b = OperatingPoint("none", 0.9, beta=1.0, alpha=0.5)
+    for clients in (4, 16, 64):
+        picks = closed_loop(PointChooser([a, b]), clients, 3000, drag=0.3)
+        assert picks[-500:].count("none") > 0.9 * 500, clients
+
+
+def test_a_trial_ends_once_each_route_of_its_point_has_counted():
+    """Early answers come back first: a trial that ended on them would time its point by its
+    quick route. It runs until half of TRIAL_QUERIES have counted on each route the point has
+    (agent-only has one)."""
+    a = OperatingPoint("large", 0.9, beta=1.0, alpha=0.5)
+    agent = OperatingPoint(AGENT_POINT)
+    clock = Clock()
+    chooser = PointChooser([a, agent], clock=clock)
+    half = PointChooser.TRIAL_QUERIES // 2
+    assert chooser.choose(16) == a
+    for _ in range(3 * half):
+        chooser.observe(a, 16, 0.2, early=True)
+    assert chooser.choose(16) == a  # still its trial: no agent-route query has counted
+    for _ in range(half):
+        chooser.observe(a, 16, 2.0, early=False)
+    assert chooser.choose(16) == agent  # measured: the next point's first trial
+    clock.now += 10.0  # its queries arrived after a's queue had turned over
+    for _ in range(half):
+        chooser.observe(agent, 16, 1.5)
+    assert chooser.choose(16) == a  # agent-only has no early route: measured on one
 
 
 def test_config_checks():
@@ -262,6 +403,7 @@ def mw_queries(tmp_path_factory):
     return list(load_jsonl(out / "questions.jsonl"))[:6]
 
 
+@pytest.mark.usefixtures("one_batch_trials")
 def test_each_batch_runs_at_its_point_with_its_judge_and_tau(models, mw_queries):  # noqa: F811
     small, large, agent = models
     f = Funnel(small, large, agent, FunnelConfig(judge="auto", points=POINTS, batch_size=2))

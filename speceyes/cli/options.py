@@ -15,7 +15,7 @@ from speceyes.backends.base import DECODING_POLICIES
 from speceyes.backends.registry import ENGINES, VLLM_SHARED_MEMORY
 from speceyes.factory import AgentSettings, BackendSettings, Settings
 from speceyes.funnel import JUDGES, MODES, PLANS, SCHEDULES, FunnelConfig
-from speceyes.operating_points import AUTO
+from speceyes.operating_points import AUTO, PointChooser
 from speceyes.types import DIRECT_PROMPTS, LARGE_DIRECT_STAGE, small_stage
 
 _SEARCH = registry.AGENTS["search"]
@@ -226,7 +226,9 @@ def add_funnel_args(p: argparse.ArgumentParser, *, schedule: str | None = None) 
     g.add_argument(
         "--auto-hold", type=float, default=None, metavar="M",
         help="--judge auto: keep the point chosen last at a load until another's measured time "
-        f"is this share less (default: {f.auto_hold}; 0: the least time, always)",
+        f"is this share less (default: {f.auto_hold}; 0: the least time, always; with one "
+        f"query in flight at most {PointChooser.SERIAL_HOLD_MARGIN}, since no queue mixes "
+        "points there)",
     )
     g.add_argument(
         "--judge-max-pixels",
