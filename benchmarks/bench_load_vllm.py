@@ -107,9 +107,10 @@ AGENT_ONLY_ALL = "agent-only/all"  # --equal-hardware: agent-only on a server th
 SMALL_ROUTE = "small"  # the route of an answer the small model gave (gate accepted)
 CLIENT_TIMEOUT_S = 900.0
 MIN_REQUESTS = 32  # per mode and round, whatever C: a round must outlast this machine's jitter
-# auto's untimed requests at a new load, in rounds: its first trial of each point (a few
-# turnovers of the queue each, PointChooser.TRIAL_QUERIES counted) takes about two rounds
-SETTLE_ROUNDS = 2
+# auto's untimed requests at a new load, in rounds: its first trial of each point (a turnover
+# of the queue, then PointChooser.TRIAL_QUERIES counted, half of them from the agent) takes up
+# to a round at C = 16 and 64 (run 27 at two rounds timed part of the agent-only trial)
+SETTLE_ROUNDS = 4
 
 
 @dataclass
@@ -531,8 +532,9 @@ def main() -> int:
         default=-1,
         help="untimed requests that speceyes/auto serves at each C before that C's rounds, so "
         "that its one-time trials at a load new to it fall outside the timed part (its later "
-        "re-runs stay inside); the static modes keep no state to settle (default: two rounds' "
-        "requests, about what its first trial of each point takes; 0: none, the cold figure)",
+        "re-runs stay inside); the static modes keep no state to settle (default: four rounds' "
+        "requests, what its first trial of each of four points takes; 0: none, the cold "
+        "figure)",
     )
     ap.add_argument(
         "--scenes", type=int, default=8,

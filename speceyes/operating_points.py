@@ -357,11 +357,11 @@ class PointChooser:
     the stretch ended count for its time. A trial (a point's first stretch in a band, a re-run,
     a fresh measure) lasts until ``TRIAL_QUERIES`` of its queries have counted (half on each
     route: the early answers come back first, and would time the point by its quick route), or
-    ``TRIAL_TURNOVERS`` turnovers, or ``TRIAL_MAX_BATCHES`` batches; the re-runs' waits are
+    ``TRIAL_MAX_BATCHES`` batches; the re-runs' waits are
     counted in trials (a trial's batches times the wait in batches). With one query in flight
     there is no queue to turn over, but a trial still runs ``TRIAL_QUERIES`` queries: one query
     is one question, and one question's time says little of a point (on the real engine a
-    point tried on one query looked 15% slower than the one held and served 8% more).
+    point tried on one query looked 17% slower than the one held and served 8% more).
 
     Thread-safe (agent loops end on another thread under the pipelined schedule)."""
 
@@ -372,9 +372,11 @@ class PointChooser:
     HOLD_MARGIN = 0.1  # default: how much less time another point needs to displace the held
     SERIAL_HOLD_MARGIN = 0.02  # the most the margin is with one query in flight (band 0)
     HEAD_TURNOVERS = 1.0  # a stretch's queries that arrived within this many turnovers: uncounted
-    TRIAL_QUERIES = 8  # a trial runs until this many of its queries have counted, half a route
-    TRIAL_TURNOVERS = 4.0  # or until this many turnovers have passed
-    TRIAL_MAX_BATCHES = 256  # or this many batches
+    TRIAL_QUERIES = 16  # a trial runs until this many of its queries have counted, half a route
+    # or this many batches: a bound in batches, not seconds, since a batch opens only as a
+    # query settles (at 64 in flight agent-only's loops took 5 turnovers of the judged point's
+    # queue to come back, and a cap in its turnovers ended its trials with nothing counted)
+    TRIAL_MAX_BATCHES = 256
 
     def __init__(
         self,
@@ -421,12 +423,9 @@ class PointChooser:
             stale = [p for p in measured if self._batches - self._last[p.name] > waits[p.name]]
             held = next((p for p in measured if p.name == self._held.get(band)), None)
             t_held = times[held.name] if held is not None else None
-            if current is not None and current.trial and self._trial_done(current, now):
+            if current is not None and current.trial and self._trial_done(current):
                 current.trial = False  # measured: from here the rule decides, as for any point
                 self._trial_batches[current.point] = current.batches
-                unmeasured = self._expected(self._point(current.point), band) is None
-                if unmeasured:  # capped before any of its queries counted: tried afresh
-                    self._tried.discard((current.point, band))
             if current is not None and current.trial:
                 picked, why = self._point(current.point), "trial"
             elif untried:
@@ -529,7 +528,7 @@ class PointChooser:
         outlive two switches). Called under the lock."""
         return next((r for r in reversed(self._stretches.get(band, ())) if r.point == name), None)
 
-    def _trial_done(self, run: _Stretch, now: float) -> bool:
+    def _trial_done(self, run: _Stretch) -> bool:
         """Whether a trial has measured its point: half of ``TRIAL_QUERIES`` counted on each
         route its point has (queries answered early come back first, and a trial that ended on
         them would time the point by its quick route), or a cap reached (see the class notes).
@@ -538,11 +537,7 @@ class PointChooser:
         half = self.TRIAL_QUERIES // 2
         routes = [n for n, has in ((run.counted_early, point.skipped > 0),
                                    (run.counted_agent, point.skipped < 1)) if has]
-        return (
-            all(n >= half for n in routes)
-            or run.batches >= self.TRIAL_MAX_BATCHES
-            or (run.turnover > 0 and now - run.start >= self.TRIAL_TURNOVERS * run.turnover)
-        )
+        return all(n >= half for n in routes) or run.batches >= self.TRIAL_MAX_BATCHES
 
     def _close_serial_cycle(self, band: int) -> None:
         """Band 0: the latest query's time runs on to this batch's opening when this one

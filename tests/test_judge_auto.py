@@ -299,7 +299,7 @@ def closed_loop(chooser: PointChooser, clients: int, batches: int, drag: float) 
     early route and 1.5 times on the agent's (the routes alternate). The points' picks."""
     import heapq
 
-    base = {"large": 0.9, "none": 1.0}  # alone, none is quicker: 1.0 s against 0.9 + drag
+    base = {"large": 0.9, "none": 1.0, AGENT_POINT: 4.0}  # alone none: 1.0 s against 0.9 + drag
     clock = Clock()
     chooser._clock = clock
     running: list[tuple[float, int, OperatingPoint, float, bool]] = []
@@ -309,7 +309,7 @@ def closed_loop(chooser: PointChooser, clients: int, batches: int, drag: float) 
         p = chooser.choose(clients)
         picks.append(p.name)
         judged = sum(q[2].judge == "large" for q in running) + (p.judge == "large")
-        early = len(picks) % 2 == 0
+        early = len(picks) % 2 == 0 and p.judge != AGENT_POINT
         t = (base[p.name] + drag * judged / (len(running) + 1)) * (0.5 if early else 1.5)
         heapq.heappush(running, (clock.now + t, len(picks), p, t, early))
 
@@ -330,9 +330,13 @@ def test_under_load_a_point_is_timed_in_its_own_queue():
     `none` is found and held, at every load."""
     a = OperatingPoint("large", 0.9, beta=1.0, alpha=0.5)
     b = OperatingPoint("none", 0.9, beta=1.0, alpha=0.5)
+    agent = OperatingPoint(AGENT_POINT)  # its loops outlast many turnovers of the others' queue
     for clients in (4, 16, 64):
-        picks = closed_loop(PointChooser([a, b]), clients, 3000, drag=0.3)
+        chooser = PointChooser([a, b, agent])
+        picks = closed_loop(chooser, clients, 3000, drag=0.3)
         assert picks[-500:].count("none") > 0.9 * 500, clients
+        assert chooser.seconds(agent, load_level(clients)) == pytest.approx(6.0)  # measured
+        assert picks[-2000:].count(AGENT_POINT) < 0.05 * 2000  # and rarely run again
 
 
 def test_a_trial_ends_once_each_route_of_its_point_has_counted():
