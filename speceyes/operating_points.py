@@ -326,9 +326,9 @@ class PointChooser:
     (on the real engine the held point's time doubled as the queue filled at C=64, the others'
     stayed, and the rule switched for a difference the moment made). So when the point that
     would displace the held one last ran while the held point's time was more than the margin
-    away from its time now, that point is measured afresh (one batch, its older times dropped)
-    before any switch. A point not run for ``EXPLORE_EVERY`` batches runs one batch
-    again, so a time measured under another mix is renewed. Each re-run that the rule then does
+    away from its time now, that point is measured afresh (a trial, its older times dropped)
+    before any switch. A point not run for ``EXPLORE_EVERY`` trials' worth of batches runs a
+    trial again, so a time measured under another mix is renewed. Each re-run that the rule then does
     not follow doubles that point's wait (up to ``EXPLORE_MAX``), and the rule choosing it resets
     the wait: a point that keeps losing costs a number of batches that grows with the log of the
     run's length, not with its length. A re-run also costs what the point is slower than the
@@ -365,7 +365,7 @@ class PointChooser:
 
     Thread-safe (agent loops end on another thread under the pipelined schedule)."""
 
-    EXPLORE_EVERY = 24  # batches after which a point not run since runs one batch again
+    EXPLORE_EVERY = 24  # trials (of a point's last trial's length) before it runs again
     EXPLORE_MAX = 16 * EXPLORE_EVERY  # the longest wait a losing point's re-runs back off to
     EXPLORE_COST = 0.02  # the share of a band's time the losers' re-runs may spend on their excess
     PRIOR_QUERIES = 64  # the calibrated share answered without the agent counts as this many
