@@ -338,14 +338,17 @@ def test_stage_b_stopped_by_max_steps_resumes_from_its_step(tmp_path):
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
-def test_trained_tool_call_box_reads_back_to_the_target(tmp_path, family):
+def test_trained_tool_call_box_reads_back_to_the_crop_it_returns(tmp_path, family):
     """The <tool_call> box a large model is trained to write is in its family's convention
     (view pixels for Qwen2.5-VL, 0..1000 of the view for Qwen3-VL): read back the way the
-    DeepEyes loop reads a box, it lands on the target on the canvas."""
+    DeepEyes loop reads a box, it is the zoom square the training crop shows, which holds the
+    target; and at least the tool's smallest box, so the loop runs it (trained on the target's
+    own box, a model wrote boxes of a small target's size, and the tool refused every one)."""
     from speceyes import images
+    from speceyes.agents.zoom import MIN_BOX
 
     be = M.load_backend(M.build_base(tmp_path, "large", M.TINY, 0, family))
-    rows = D.make_questions("train", 0, 2, be, crops=True)
+    rows = D.make_questions("train", 0, 2, be, crops=True, min_zoom_view_px=MIN_BOX)
     # rows whose crop is around the question's own target (the others zoom on a random object)
     rows = [r for r in rows if r.get("view_box") and r["target_bbox"] is not None]
     assert rows
@@ -356,7 +359,10 @@ def test_trained_tool_call_box_reads_back_to_the_target(tmp_path, family):
         box = json.loads(call.split("\n")[1])["arguments"]["bbox_2d"]
         view = images.View(*D.CANVAS, r["view"].width, r["view"].height)
         got = images.box_to_original(box, view, be.box_coords)
-        target = r["target_bbox"]
+        square = D.zoom_box(D.CANVAS, r["target_bbox"], D.min_zoom_side(r["view"], MIN_BOX))
         # rounding to whole view pixels (or thousandths) moves an edge by at most one unit
         unit = max(view.scale_x, view.scale_y) if be.box_coords == "absolute" else 1024 / 1000
-        assert all(abs(a - b) <= unit for a, b in zip(got, target, strict=True)), (got, target)
+        assert all(abs(a - b) <= unit for a, b in zip(got, square, strict=True)), (got, square)
+        t = r["target_bbox"]
+        assert square[0] <= t[0] and square[1] <= t[1] and square[2] >= t[2] and square[3] >= t[3]
+        images.checked_crop_box(box, view, be.box_coords, MIN_BOX)  # the tool runs it

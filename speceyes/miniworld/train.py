@@ -43,6 +43,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from speceyes.agents.zoom import MIN_BOX
 from speceyes.miniworld.bundle import stage_bundle
 from speceyes.miniworld.evaluate import stage_eval
 from speceyes.miniworld.loop import Checkpoint, optimizer_step, run_loop
@@ -273,6 +274,7 @@ def stage_b(cfg: TrainConfig, role_dir: Path, size: ModelSize) -> dict:
         cfg.cell_elsewhere,
         cfg.level,
         cfg.search_depth,
+        MIN_BOX if cfg.boxes else 0,  # a box the model learns to write must be one zoom.py runs
     )
     pairs = [p for r in train for p in examples_for(r, cfg.role, cfg.boxes, cfg.deepeyes)]
     if cfg.pack > 1:

@@ -61,14 +61,23 @@ def view_size(backend) -> tuple[int, int]:
     return w, h
 
 
-def zoom_box(size: tuple[int, int], bbox: Sequence[int]) -> tuple[int, int, int, int]:
-    """The mini-world zoom: a square of 4x the target's side around it, inside the image."""
+def zoom_box(
+    size: tuple[int, int], bbox: Sequence[int], min_side: int = 0
+) -> tuple[int, int, int, int]:
+    """The mini-world zoom: a square of 4x the target's side (at least ``min_side``) around
+    it, inside the image."""
     x1, y1, x2, y2 = bbox
-    side = max(x2 - x1, y2 - y1) * 4
+    side = min(max((x2 - x1) * 4, (y2 - y1) * 4, min_side), *size)
     cx, cy = (x1 + x2) / 2, (y1 + y2) / 2
     left = int(min(max(cx - side / 2, 0), size[0] - side))
     top = int(min(max(cy - side / 2, 0), size[1] - side))
     return left, top, left + side, top + side
+
+
+def min_zoom_side(view: Image.Image, view_px: int) -> int:
+    """The smallest zoom square's side in canvas pixels: ``view_px`` pixels of the model's
+    view on each axis."""
+    return math.ceil(max(view_px * CANVAS[0] / view.width, view_px * CANVAS[1] / view.height))
 
 
 def crop_at_view(image: Image.Image, box: Sequence[int], backend) -> Image.Image:
@@ -130,9 +139,15 @@ def make_questions(
     elsewhere: int = 4,
     level: int = 1,
     search_depths: int = 2,
+    min_zoom_view_px: int = 0,
 ) -> list[dict]:
     """Scenes rendered on the fly (in memory), kept only as the model's view (+ zoom crops of
     the small-regime questions, relative position excepted: its reference is outside the crop).
+    The crop is the zoom square whose box a large model learns to write in its ``<tool_call>``;
+    ``min_zoom_view_px`` makes each side at least that many pixels of the model's view (the
+    DeepEyes tool refuses a box under ``agents.zoom.MIN_BOX``: a square of 4x a small target's
+    side is under it on the mini world's view, and a model trained on it wrote boxes the tool
+    refused).
     ``level`` 1 is the one-target world (:mod:`speceyes.miniworld.level1`), 2 the multi-object
     one; at level 1 both regimes get search-cell questions (the agent searches every query)."""
     from speceyes.images import resize_for_model
@@ -153,6 +168,7 @@ def make_questions(
             scene.image, backend.factor, backend.min_pixels, backend.max_pixels
         )[0]
         crop_rng = random.Random(f"crop-{split}-{seed}-{i}")
+        min_side = min_zoom_side(view, min_zoom_view_px)
         view_objs = layout_in(scene.objects, (0, 0, *scene.image.size), view.size)
         for q in scene.questions:
             row = {
@@ -172,19 +188,20 @@ def make_questions(
             }
             if crops and regime == "small" and q.category != "relative_position":
                 box = _crop_target(q, scene.objects, regime, crop_rng)
-                zb = zoom_box(scene.image.size, box)
+                zb = zoom_box(scene.image.size, box, min_side)
                 row["crop"] = crop_at_view(scene.image, zb, backend)
                 row["crop_objs"] = layout_in(scene.objects, zb, row["crop"].size)
-                # the tool call's box in the model's own convention: view pixels
-                # (Qwen2.5-VL) or 0..1000 of the view (Qwen3-VL), as zoom.py reads it back
+                # the tool call's box: the crop it returns, in the model's own convention:
+                # view pixels (Qwen2.5-VL) or 0..1000 of the view (Qwen3-VL), as zoom.py
+                # reads it back
                 relative = backend.box_coords == "relative1000"
                 sx = (1000 if relative else view.width) / CANVAS[0]
                 sy = (1000 if relative else view.height) / CANVAS[1]
                 row["view_box"] = [
-                    round(box[0] * sx),
-                    round(box[1] * sy),
-                    round(box[2] * sx),
-                    round(box[3] * sy),
+                    round(zb[0] * sx),
+                    round(zb[1] * sy),
+                    round(zb[2] * sx),
+                    round(zb[3] * sy),
                 ]
             rows.append(row)
         if crops:
