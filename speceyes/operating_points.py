@@ -316,7 +316,7 @@ class PointChooser:
     load) and starting from the point's calibrated rate, worth ``PRIOR_QUERIES`` queries. The
     expected time is ``s * early + (1 - s) * agent``.
 
-    Each point runs one batch first in each load band it meets; then the rule takes the point
+    Each point runs a trial first in each load band it meets (see below); then the rule takes the point
     with the least expected time, except that it keeps the point it chose last in the band
     unless another's time is ``HOLD_MARGIN`` less: points within that margin serve about the
     same, one run's times do not separate them (paired rounds of the load benchmark spread by
