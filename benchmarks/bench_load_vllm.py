@@ -109,7 +109,7 @@ CLIENT_TIMEOUT_S = 900.0
 MIN_REQUESTS = 32  # per mode and round, whatever C: a round must outlast this machine's jitter
 # auto's untimed requests at a new load, in rounds: its first trial of each point (a turnover
 # of the queue, then PointChooser.TRIAL_QUERIES counted, half of them from the agent) takes up
-# to a round at C = 16 and 64 (run 27 at two rounds timed part of the agent-only trial)
+# to a round at C = 16 and 64 (with two rounds, run 27 timed part of agent-only's first trial)
 SETTLE_ROUNDS = 4
 
 

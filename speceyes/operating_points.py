@@ -281,7 +281,7 @@ class _Stretch:
     shared the engines with the queries of the point before it, and one that settled after its
     end with those of the point after: neither measures this point."""
 
-    point: str
+    point: OperatingPoint
     start: float
     turnover: float
     trial: bool  # a trial: it runs until it has measured the point (see PointChooser)
@@ -425,13 +425,14 @@ class PointChooser:
             t_held = times[held.name] if held is not None else None
             if current is not None and current.trial and self._trial_done(current):
                 current.trial = False  # measured: from here the rule decides, as for any point
-                self._trial_batches[current.point] = current.batches
+                self._trial_batches[current.point.name] = current.batches
+            trial = False  # a new stretch of the picked point is a trial: it measures the point
             if current is not None and current.trial:
-                picked, why = self._point(current.point), "trial"
+                picked, why = current.point, "trial"
             elif untried:
-                picked, why = untried[0], "first in band"
+                picked, why, trial = untried[0], "first in band", True
             elif stale:
-                picked, why = min(stale, key=lambda p: self._last[p.name]), "re-run"
+                picked, why, trial = min(stale, key=lambda p: self._last[p.name]), "re-run", True
                 self._wait[picked.name] = min(2 * self._wait[picked.name], self.EXPLORE_MAX)
             elif measured:
                 picked, why = min(measured, key=lambda p: times[p.name] or 0.0), "least time"
@@ -444,6 +445,7 @@ class PointChooser:
                         picked, why = held, "held (within margin)"
                     elif then and abs(t_held / then - 1.0) > margin:
                         why, remeasure = "re-run (measured at another moment)", True
+                        trial = True
                         for early in (True, False):  # its times are dropped: measured afresh
                             self._time.pop((picked.name, band, early), None)
                 if not remeasure:
@@ -458,14 +460,14 @@ class PointChooser:
                 self._ref[(picked.name, band)] = t_held
             self._tried.add((picked.name, band))
             self._last[picked.name] = self._batches
-            if current is None or current.point != picked.name:
+            if current is None or current.point is not picked:
                 if current is not None:
                     current.end = now
-                trial = why in ("first in band", "re-run") or why.startswith("re-run (")
+                # one in flight there is no queue to turn over
                 turnover = self.HEAD_TURNOVERS * (
-                    t_held or min((t for t in times.values() if t), default=0.0))
-                turnover = turnover if band > 0 else 0.0
-                current = _Stretch(picked.name, now, turnover, trial)
+                    t_held or min((t for t in times.values() if t), default=0.0)
+                ) if band > 0 else 0.0
+                current = _Stretch(picked, now, turnover, trial)
                 runs.append(current)
             current.batches += 1
         if log.isEnabledFor(logging.DEBUG):  # why this point: the times the rule compared
@@ -520,23 +522,21 @@ class PointChooser:
                       in_flight, band, seconds, "early" if early else "agent",
                       "" if counted else ", not counted (beside another point's queries)")
 
-    def _point(self, name: str) -> OperatingPoint:
-        return next(p for p in self.points if p.name == name)
-
     def _stretch_of(self, name: str, band: int) -> _Stretch | None:
         """The latest stretch of point ``name`` in ``band`` (a query's own: one query does not
         outlive two switches). Called under the lock."""
-        return next((r for r in reversed(self._stretches.get(band, ())) if r.point == name), None)
+        return next(
+            (r for r in reversed(self._stretches.get(band, ())) if r.point.name == name), None
+        )
 
     def _trial_done(self, run: _Stretch) -> bool:
         """Whether a trial has measured its point: half of ``TRIAL_QUERIES`` counted on each
         route its point has (queries answered early come back first, and a trial that ended on
         them would time the point by its quick route), or a cap reached (see the class notes).
         """
-        point = self._point(run.point)
         half = self.TRIAL_QUERIES // 2
-        routes = [n for n, has in ((run.counted_early, point.skipped > 0),
-                                   (run.counted_agent, point.skipped < 1)) if has]
+        routes = [n for n, has in ((run.counted_early, run.point.skipped > 0),
+                                   (run.counted_agent, run.point.skipped < 1)) if has]
         return all(n >= half for n in routes) or run.batches >= self.TRIAL_MAX_BATCHES
 
     def _close_serial_cycle(self, band: int) -> None:

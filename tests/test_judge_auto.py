@@ -292,16 +292,17 @@ def test_one_in_flight_a_point_a_little_quicker_displaces_the_one_held():
     assert PointChooser.SERIAL_HOLD_MARGIN < 0.05 < PointChooser.HOLD_MARGIN
 
 
-def closed_loop(chooser: PointChooser, clients: int, batches: int, drag: float) -> list[str]:
-    """``clients`` closed-loop clients of one engine, each query its own batch: a query takes
-    its point's time plus ``drag`` times the share of the queries in flight beside it that run
-    the judge's point (whose full-image prefills slow every agent step), half of that on the
-    early route and 1.5 times on the agent's (the routes alternate). The points' picks."""
+def closed_loop(
+    chooser: PointChooser, clock: Clock, clients: int, batches: int, drag: float
+) -> list[str]:
+    """``clients`` closed-loop clients of one engine (its time on ``clock``, which the chooser
+    reads), each query its own batch: a query takes its point's time plus ``drag`` times the
+    share of the queries in flight beside it that run the judge's point (whose full-image
+    prefills slow every agent step), half of that on the early route and 1.5 times on the
+    agent's (the routes alternate). The points' picks."""
     import heapq
 
     base = {"large": 0.9, "none": 1.0, AGENT_POINT: 4.0}  # alone none: 1.0 s against 0.9 + drag
-    clock = Clock()
-    chooser._clock = clock
     running: list[tuple[float, int, OperatingPoint, float, bool]] = []
     picks: list[str] = []
 
@@ -332,8 +333,9 @@ def test_under_load_a_point_is_timed_in_its_own_queue():
     b = OperatingPoint("none", 0.9, beta=1.0, alpha=0.5)
     agent = OperatingPoint(AGENT_POINT)  # its loops outlast many turnovers of the others' queue
     for clients in (4, 16, 64):
-        chooser = PointChooser([a, b, agent])
-        picks = closed_loop(chooser, clients, 3000, drag=0.3)
+        clock = Clock()
+        chooser = PointChooser([a, b, agent], clock=clock)
+        picks = closed_loop(chooser, clock, clients, 3000, drag=0.3)
         assert picks[-500:].count("none") > 0.9 * 500, clients
         assert chooser.seconds(agent, load_level(clients)) == pytest.approx(6.0)  # measured
         assert picks[-2000:].count(AGENT_POINT) < 0.05 * 2000  # and rarely run again
