@@ -141,9 +141,9 @@ class Settings:
 
         kind = arg("agent", AgentSettings.kind)
         agent_cls = registry.agent_class(kind)
-        options = {}
+        options = registry.parse_options(agent_cls, arg("agent_options", ""), "--agent-options")
         if agent_cls.name == "search":  # --search is read only for the search agent
-            options = registry.parse_options(agent_cls, arg("search", ""), "--search")
+            options.update(registry.parse_options(agent_cls, arg("search", ""), "--search"))
         f = FunnelConfig
         funnel = FunnelConfig(
             mode=arg("mode", f.mode),

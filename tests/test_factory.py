@@ -154,6 +154,17 @@ def test_from_args_only_reads_the_namespace():
     assert s.agent.options == {"depth": 3} and s.funnel.batch_size == 8
 
 
+def test_agent_options_set_the_chosen_agents_settings():
+    s = Settings.from_args(_ns(agent="deepeyes", agent_options="fill_view=1,min_box=10"))
+    assert s.agent.options == {"fill_view": True, "min_box": 10}
+    agent = factory.make_agent(s.resolved().agent, _Stub())
+    assert isinstance(agent, ZoomAgent) and (agent.fill_view, agent.min_box) == (True, 10)
+    both = Settings.from_args(_ns(agent="search", agent_options="depth=1", search="grid=3"))
+    assert both.agent.options == {"depth": 1, "grid": 3}
+    with pytest.raises(ValueError, match="--agent-options: expected K=V"):
+        Settings.from_args(_ns(agent="deepeyes", agent_options="depth=3"))  # a search setting
+
+
 def test_to_dict_round_trips():
     s = Settings.from_args(_ns(agent="search", search="depth=3,stay=1", tau=0.7)).resolved()
     d = json.loads(json.dumps(s.to_dict()))

@@ -93,6 +93,23 @@ def test_valid_zoom_maps_box_to_original_and_returns_crop(q25):
     assert crop.getpixel((crop.width // 2, crop.height // 2)) == (220, 30, 30)
 
 
+def test_fill_view_shows_the_crop_at_the_views_pixels_and_the_default_at_its_own(q25):
+    # A 100x100 crop of a 1000x600 image: at its own size by default (DeepEyes' processor
+    # floor), upscaled to the full image's view with fill_view (what the mini world trained on).
+    query = q(0)
+    view = q25.view_of(query.image)
+    vb = [600 / view.scale_x, 100 / view.scale_y, 700 / view.scale_x, 200 / view.scale_y]
+    sizes = {}
+    for fill in (False, True):
+        be = ScriptedBackend(q25, [[call(vb), "<answer>red</answer>"]])
+        (out,) = ZoomAgent(be, fill_view=fill).run([query])
+        sizes[fill] = next(s for s in out.trace if s["type"] == "zoom")["crop_size"]
+        assert be.seen[1][0][-1]["content"][1]["image"].size == tuple(sizes[fill])
+    assert sizes[False][0] * sizes[False][1] <= 112 * 112
+    w, h = sizes[True]  # rounded to the patch grid, so about the view's pixels
+    assert 0.8 * view.view_w * view.view_h <= w * h <= q25.max_pixels
+
+
 @pytest.mark.parametrize(
     "text,needle",
     [

@@ -13,11 +13,22 @@ from speceyes.backends.base import BackendError, context_limit, estimate_prompt_
 
 if TYPE_CHECKING:
     from speceyes.backends.base import Backend
+    from speceyes.images import View
     from speceyes.types import ChatTurn
 
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _THINK_END = "</think>"
 CONTEXT_BUDGET = "context budget"  # why a loop ended before a turn that would not fit
+
+
+def crop_min_pixels(backend: Backend, view: View, fill_view: bool) -> int:
+    """The pixel floor a zoom crop is resized to: the backend's own (the processor's, as the
+    published agents run), or with ``fill_view`` as many pixels as the full image's view, never
+    more than the budget, so that a model trained on crops at its view's scale (the mini world's)
+    reads them at that scale."""
+    if fill_view:
+        return min(backend.max_pixels, view.view_w * view.view_h)
+    return backend.min_pixels
 
 
 @dataclass

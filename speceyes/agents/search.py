@@ -28,7 +28,13 @@ import numpy as np
 from PIL import Image
 
 from speceyes import prompts
-from speceyes.agents.base import AgentOutcome, LoopAgent, fallback_answer, last_answer
+from speceyes.agents.base import (
+    AgentOutcome,
+    LoopAgent,
+    crop_min_pixels,
+    fallback_answer,
+    last_answer,
+)
 from speceyes.agents.zoom import MIN_BOX
 from speceyes.backends.base import Backend, Messages
 from speceyes.images import BoxError, View, load_image, zoom_crop
@@ -211,11 +217,7 @@ class SearchAgent(LoopAgent):
             model_box,
             coords=b.box_coords,
             factor=b.factor,
-            min_pixels=(
-                min(b.max_pixels, loop.view.view_w * loop.view.view_h)
-                if self.fill_view
-                else b.min_pixels
-            ),
+            min_pixels=crop_min_pixels(b, loop.view, self.fill_view),
             max_pixels=b.max_pixels,
             min_size=self.min_box,
         )

@@ -17,7 +17,13 @@ from typing import Any
 from PIL import Image
 
 from speceyes import prompts, protocols
-from speceyes.agents.base import AgentOutcome, LoopAgent, fallback_answer, last_answer
+from speceyes.agents.base import (
+    AgentOutcome,
+    LoopAgent,
+    crop_min_pixels,
+    fallback_answer,
+    last_answer,
+)
 from speceyes.backends.base import Backend, Messages
 from speceyes.images import BoxError, View, load_image, zoom_crop
 from speceyes.types import Query
@@ -99,6 +105,14 @@ class ZoomAgent(LoopAgent):
         max_tool_calls: int | None = None
         max_new_tokens: int | None = None
         min_box: int = MIN_BOX
+        fill_view: bool = field(
+            default=False,
+            metadata={
+                "help": "1: show each crop with as many pixels as the full image's view, "
+                "upscaled, as the mini-world models were trained (0: the processor's own "
+                "floor, as DeepEyes runs)"
+            },
+        )
 
     def __init__(
         self,
@@ -107,6 +121,7 @@ class ZoomAgent(LoopAgent):
         max_tool_calls: int | None = None,
         max_new_tokens: int | None = None,
         min_box: int = MIN_BOX,
+        fill_view: bool = False,
     ) -> None:
         self.backend = backend
         # None: the protocol's loop default (protocols.LoopSettings; published: the authors'
@@ -115,6 +130,7 @@ class ZoomAgent(LoopAgent):
         self.max_tool_calls = limits.max_tool_calls if max_tool_calls is None else max_tool_calls
         self.max_new_tokens = limits.agent_max_tokens if max_new_tokens is None else max_new_tokens
         self.min_box = min_box
+        self.fill_view = fill_view
 
     def _start(self, query: Query) -> _Loop:
         image = load_image(query.image, copy=False)
@@ -137,7 +153,7 @@ class ZoomAgent(LoopAgent):
             args["bbox_2d"],
             coords=b.box_coords,
             factor=b.factor,
-            min_pixels=b.min_pixels,
+            min_pixels=crop_min_pixels(b, loop.view, self.fill_view),
             max_pixels=b.max_pixels,
             min_size=self.min_box,
         )

@@ -175,6 +175,13 @@ def add_funnel_args(p: argparse.ArgumentParser, *, schedule: str | None = None) 
         f"P(yes) per region) (default: {AgentSettings.kind})",
     )
     g.add_argument(
+        "--agent-options",
+        default="",
+        metavar="K=V,...",
+        help="settings of the chosen agent; deepeyes: "
+        f"{registry.settings_help(registry.agent_class('deepeyes'))}; search: as --search",
+    )
+    g.add_argument(
         "--search",
         default="",
         metavar="K=V,...",
