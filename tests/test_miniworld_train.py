@@ -348,7 +348,8 @@ def test_trained_tool_call_box_reads_back_to_the_crop_it_returns(tmp_path, famil
     from speceyes.agents.zoom import MIN_BOX
 
     be = M.load_backend(M.build_base(tmp_path, "large", M.TINY, 0, family))
-    rows = D.make_questions("train", 0, 2, be, crops=True, min_zoom_view_px=MIN_BOX)
+    px = MIN_BOX + T.BOX_MARGIN_PX  # what --boxes trains
+    rows = D.make_questions("train", 0, 2, be, crops=True, min_zoom_view_px=px)
     # rows whose crop is around the question's own target (the others zoom on a random object)
     rows = [r for r in rows if r.get("view_box") and r["target_bbox"] is not None]
     assert rows
@@ -359,10 +360,13 @@ def test_trained_tool_call_box_reads_back_to_the_crop_it_returns(tmp_path, famil
         box = json.loads(call.split("\n")[1])["arguments"]["bbox_2d"]
         view = images.View(*D.CANVAS, r["view"].width, r["view"].height)
         got = images.box_to_original(box, view, be.box_coords)
-        square = D.zoom_box(D.CANVAS, r["target_bbox"], D.min_zoom_side(r["view"], MIN_BOX))
+        square = D.zoom_box(D.CANVAS, r["target_bbox"], D.min_zoom_side(r["view"], px))
         # rounding to whole view pixels (or thousandths) moves an edge by at most one unit
         unit = max(view.scale_x, view.scale_y) if be.box_coords == "absolute" else 1024 / 1000
         assert all(abs(a - b) <= unit for a, b in zip(got, square, strict=True)), (got, square)
         t = r["target_bbox"]
         assert square[0] <= t[0] and square[1] <= t[1] and square[2] >= t[2] and square[3] >= t[3]
         images.checked_crop_box(box, view, be.box_coords, MIN_BOX)  # the tool runs it
+        # and still runs it with each coordinate a few units off (the model's digits are)
+        off = [v + d for v, d in zip(box, (2, 2, -2, -2), strict=True)]
+        images.checked_crop_box(off, view, be.box_coords, MIN_BOX)

@@ -71,6 +71,10 @@ from speceyes.miniworld.traindata import (
     token_labels,
 )
 
+# View pixels a trained <tool_call> box keeps above the DeepEyes tool's smallest box: a box the
+# model writes is off by a few units of its digits (docs/miniworld-training.md)
+BOX_MARGIN_PX = 4
+
 # ------------------------------------------------------------------------------------ stages
 
 
@@ -274,7 +278,9 @@ def stage_b(cfg: TrainConfig, role_dir: Path, size: ModelSize) -> dict:
         cfg.cell_elsewhere,
         cfg.level,
         cfg.search_depth,
-        MIN_BOX if cfg.boxes else 0,  # a box the model learns to write must be one zoom.py runs
+        # a box the model learns to write must be one zoom.py runs, with room for a few units
+        # of error in its digits (trained at the minimum, a third of its boxes fell just under)
+        MIN_BOX + BOX_MARGIN_PX if cfg.boxes else 0,
     )
     pairs = [p for r in train for p in examples_for(r, cfg.role, cfg.boxes, cfg.deepeyes)]
     if cfg.pack > 1:
