@@ -348,7 +348,7 @@ def test_trained_tool_call_box_reads_back_to_the_crop_it_returns(tmp_path, famil
     from speceyes.agents.zoom import MIN_BOX
 
     be = M.load_backend(M.build_base(tmp_path, "large", M.TINY, 0, family))
-    px = MIN_BOX + T.BOX_MARGIN_PX  # what --boxes trains
+    px = T.TRAINED_MIN_BOX_PX  # what --boxes trains
     rows = D.make_questions("train", 0, 2, be, crops=True, min_zoom_view_px=px)
     # rows whose crop is around the question's own target (the others zoom on a random object)
     rows = [r for r in rows if r.get("view_box") and r["target_bbox"] is not None]

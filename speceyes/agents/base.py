@@ -21,6 +21,13 @@ _THINK_END = "</think>"
 CONTEXT_BUDGET = "context budget"  # why a loop ended before a turn that would not fit
 
 
+# the help of both zoom agents' ``fill_view`` setting (what crop_min_pixels reads)
+FILL_VIEW_HELP = (
+    "1: show each crop with as many pixels as the full image's view, upscaled, as the "
+    "mini-world models were trained (0: the processor's own floor, as DeepEyes runs)"
+)
+
+
 def crop_min_pixels(backend: Backend, view: View, fill_view: bool) -> int:
     """The pixel floor a zoom crop is resized to: the backend's own (the processor's, as the
     published agents run), or with ``fill_view`` as many pixels as the full image's view, never

@@ -29,6 +29,7 @@ from PIL import Image
 
 from speceyes import prompts
 from speceyes.agents.base import (
+    FILL_VIEW_HELP,
     AgentOutcome,
     LoopAgent,
     crop_min_pixels,
@@ -151,10 +152,7 @@ class SearchAgent(LoopAgent):
         )
         fill_view: bool = field(
             default=False,
-            metadata={
-                "help": "1: show each crop with as many pixels as the full image's view, "
-                "upscaled, as the mini-world models were trained"
-            },
+            metadata={"help": FILL_VIEW_HELP},
         )
 
     def __init__(

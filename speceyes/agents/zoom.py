@@ -18,6 +18,7 @@ from PIL import Image
 
 from speceyes import prompts, protocols
 from speceyes.agents.base import (
+    FILL_VIEW_HELP,
     AgentOutcome,
     LoopAgent,
     crop_min_pixels,
@@ -107,11 +108,7 @@ class ZoomAgent(LoopAgent):
         min_box: int = MIN_BOX
         fill_view: bool = field(
             default=False,
-            metadata={
-                "help": "1: show each crop with as many pixels as the full image's view, "
-                "upscaled, as the mini-world models were trained (0: the processor's own "
-                "floor, as DeepEyes runs)"
-            },
+            metadata={"help": FILL_VIEW_HELP},
         )
 
     def __init__(

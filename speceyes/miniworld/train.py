@@ -74,6 +74,8 @@ from speceyes.miniworld.traindata import (
 # View pixels a trained <tool_call> box keeps above the DeepEyes tool's smallest box: a box the
 # model writes is off by a few units of its digits (docs/miniworld-training.md)
 BOX_MARGIN_PX = 4
+# the smallest side, in view pixels, of the <tool_call> boxes --boxes trains
+TRAINED_MIN_BOX_PX = MIN_BOX + BOX_MARGIN_PX
 
 # ------------------------------------------------------------------------------------ stages
 
@@ -280,7 +282,7 @@ def stage_b(cfg: TrainConfig, role_dir: Path, size: ModelSize) -> dict:
         cfg.search_depth,
         # a box the model learns to write must be one zoom.py runs, with room for a few units
         # of error in its digits (trained at the minimum, a third of its boxes fell just under)
-        MIN_BOX + BOX_MARGIN_PX if cfg.boxes else 0,
+        TRAINED_MIN_BOX_PX if cfg.boxes else 0,
     )
     pairs = [p for r in train for p in examples_for(r, cfg.role, cfg.boxes, cfg.deepeyes)]
     if cfg.pack > 1:
