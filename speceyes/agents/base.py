@@ -24,7 +24,7 @@ CONTEXT_BUDGET = "context budget"  # why a loop ended before a turn that would n
 # the help of both zoom agents' ``fill_view`` setting (what crop_min_pixels reads)
 FILL_VIEW_HELP = (
     "1: show each crop with as many pixels as the full image's view, upscaled, as the "
-    "mini-world models were trained (0: the processor's own floor, as DeepEyes runs)"
+    "mini-world models were trained; 0: at the processor's own floor, as DeepEyes runs"
 )
 
 
