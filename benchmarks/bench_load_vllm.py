@@ -106,7 +106,10 @@ AGENT_ONLY = "agent-only"
 AGENT_ONLY_ALL = "agent-only/all"  # --equal-hardware: agent-only on a server that has every core
 SMALL_ROUTE = "small"  # the route of an answer the small model gave (gate accepted)
 CLIENT_TIMEOUT_S = 900.0
-MIN_REQUESTS = 32  # per mode and round, whatever C: a round must outlast this machine's jitter
+# per mode and round, whatever C: a round must outlast this machine's jitter. At 32 a round at
+# C = 1 or 4 lasted 2.5-5 s, and one mode's rounds spread by 0.93-1.03 of another's with both
+# running the same point and the same model calls (runs 31-35)
+MIN_REQUESTS = 64
 # auto's untimed requests at a new load, in rounds: its first trial of each point (a turnover
 # of the queue, then PointChooser.TRIAL_QUERIES counted, half of them from the agent) takes up
 # to a round at C = 16 and 64 (with two rounds, run 27 timed part of agent-only's first trial)
@@ -523,8 +526,8 @@ def main() -> int:
         "--requests",
         type=int,
         default=0,
-        help="requests per mode per round (default: max(4C, 32); at C=1 a round of 8 lasts a few "
-        "seconds, and two rounds of one mode then differ by 20%%)",
+        help=f"requests per mode per round (default: max(4C, {MIN_REQUESTS}); at C=1 a round of 8 "
+        "lasts a few seconds, and two rounds of one mode then differ by 20%%)",
     )
     ap.add_argument(
         "--settle",

@@ -5,7 +5,9 @@ Builds the demo's split (``speceyes demo``'s machinery: level 1 by default, ``--
 (its manifest's agent and gate) in mode ``both`` with ``--speculate-depth`` and
 ``--middle-tier`` through ``speceyes eval``'s runner into ``OUT/{small,large}-targets/``:
 ordinary run folders whose ``samples.jsonl`` log every stage (for offline replay of any
-per-stage thresholds). Prints each stage's accuracy, acceptance at its tau and seconds per
+per-stage thresholds). With ``--pooled`` every question goes into one folder,
+``OUT/all-targets/``, the single run ``speceyes calibrate --cascade`` and ``regate --cascade``
+take. Prints each stage's accuracy, acceptance at its tau and seconds per
 query, as ``results.json`` reports them (``stages``).
 
     nice -n 10 python benchmarks/cascade_miniworld.py --split val --out runs/cascade-val
@@ -23,6 +25,8 @@ from speceyes.factory import MANIFEST, Settings, build_funnel, make_agent, make_
 from speceyes.miniworld import demo
 from speceyes.miniworld.summary import SPLITS
 
+POOLED = "all-targets"  # --pooled: the run folder of every question
+
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -34,6 +38,11 @@ def main() -> None:
     p.add_argument("--speculate-depth", type=int, default=1)
     p.add_argument("--no-middle-tier", action="store_true")
     p.add_argument("--resume", action="store_true")
+    p.add_argument(
+        "--pooled",
+        action="store_true",
+        help="one run folder of every question (OUT/all-targets), for calibrate --cascade",
+    )
     p.add_argument(
         "--models",
         type=Path,
@@ -61,8 +70,9 @@ def main() -> None:
     agent = make_agent(settings.resolved().agent, backends["large"])
     demo.warm_up(backends, data)
     funnel = build_funnel(settings, (backends["small"], backends["large"]), agent)
-    for label, size in SPLITS:
-        subset = demo.subset_path(data, size)
+    parts = [(POOLED, None)] if args.pooled else SPLITS
+    for label, size in parts:
+        subset = data / "questions.jsonl" if size is None else demo.subset_path(data, size)
         queries = list(load_jsonl(subset))
         spec = EvalSpec(
             bench="jsonl",
@@ -70,7 +80,7 @@ def main() -> None:
             output=out / label,
             resume=args.resume,
             models={r: str(models[r]) for r in demo.ROLES},
-            loader_kw={"target_size": size, "split": key},
+            loader_kw={"target_size": size or "all", "split": key},
         )
         res = run_eval(spec, funnel, queries, total=len(queries), progress=False, plots=False)
         print(f"\n[{label}] n={res['n']} accuracy={res['accuracy']:.3f} routes={res['routes']}")

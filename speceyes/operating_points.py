@@ -327,8 +327,8 @@ class PointChooser:
     stayed, and the rule switched for a difference the moment made). So when the point that
     would displace the held one last ran while the held point's time was more than the margin
     away from its time now, that point is measured afresh (a trial, its older times dropped)
-    before any switch. A point not run for ``EXPLORE_EVERY`` trials' worth of batches runs a
-    trial again, so a time measured under another mix is renewed. Each re-run that the rule then does
+    before any switch. A point not run for ``EXPLORE_EVERY`` trials' worth of its band's batches
+    runs a trial again, so a time measured under another mix is renewed. Each re-run that the rule then does
     not follow doubles that point's wait (up to ``EXPLORE_MAX``), and the rule choosing it resets
     the wait: a point that keeps losing costs a number of batches that grows with the log of the
     run's length, not with its length. A re-run also costs what the point is slower than the
@@ -397,14 +397,20 @@ class PointChooser:
         self._early = {p.name: 0 for p in self.points}  # queries answered without the agent
         self._seen = {p.name: 0 for p in self.points}  # queries answered
         self._tried: set[tuple[str, int]] = set()  # (point, band) pairs given a batch
-        self._batches = 0  # batches chosen so far
-        self._last = {p.name: -1 for p in self.points}  # the batch each point last ran
-        self._wait = {p.name: self.EXPLORE_EVERY for p in self.points}  # batches before a re-run
+        # Re-runs are paced in each band's own batches: counted over every band, a band a load
+        # visits rarely (two in flight now and then at one client) finds its points stale on
+        # each visit, and a load that moves to a band after hours in another re-ran every point
+        # there at once (the load benchmark at four clients after one: 31% of its queries)
+        self._batches: dict[int, int] = {}  # band: batches chosen in it so far
+        self._total = 0  # batches chosen, every band (the decisions log's count)
+        self._last: dict[tuple[str, int], int] = {}  # (point, band): the band's batch it last ran
+        self._wait: dict[tuple[str, int], int] = {}  # (point, band): batches before a re-run
         # band 0: the latest query's route time, its seconds and when it settled (the time
         # until the next batch opens is added to it when that comes back to back)
         self._serial_last: tuple[_Recent, float, float] | None = None
         self._stretches: dict[int, deque[_Stretch]] = {}  # band: its recent stretches, last: now
-        self._trial_batches = {p.name: 1 for p in self.points}  # the length of its last trial
+        # (point, band): the batches its last trial there lasted
+        self._trial_batches: dict[tuple[str, int], int] = {}
         self._clock = clock
         self._lock = threading.Lock()
 
@@ -412,28 +418,31 @@ class PointChooser:
         band = load_level(max(1, in_flight))
         with self._lock:
             self._close_serial_cycle(band)
-            self._batches += 1
+            self._total += 1
+            batches = self._batches[band] = self._batches.get(band, 0) + 1
+            last = {p.name: self._last.get((p.name, band), -1) for p in self.points}
             now = self._clock()
             runs = self._stretches.setdefault(band, deque(maxlen=64))
             current = runs[-1] if runs else None
             untried = [p for p in self.points if (p.name, band) not in self._tried]
             times = {p.name: self._expected(p, band) for p in self.points}
             measured = [p for p in self.points if times[p.name] is not None]
-            waits = self._rerun_waits(measured, times)
-            stale = [p for p in measured if self._batches - self._last[p.name] > waits[p.name]]
+            waits = self._rerun_waits(measured, times, band)
+            stale = [p for p in measured if batches - last[p.name] > waits[p.name]]
             held = next((p for p in measured if p.name == self._held.get(band)), None)
             t_held = times[held.name] if held is not None else None
             if current is not None and current.trial and self._trial_done(current):
                 current.trial = False  # measured: from here the rule decides, as for any point
-                self._trial_batches[current.point.name] = current.batches
+                self._trial_batches[(current.point.name, band)] = current.batches
             trial = False  # a new stretch of the picked point is a trial: it measures the point
             if current is not None and current.trial:
                 picked, why = current.point, "trial"
             elif untried:
                 picked, why, trial = untried[0], "first in band", True
             elif stale:
-                picked, why, trial = min(stale, key=lambda p: self._last[p.name]), "re-run", True
-                self._wait[picked.name] = min(2 * self._wait[picked.name], self.EXPLORE_MAX)
+                picked, why, trial = min(stale, key=lambda p: last[p.name]), "re-run", True
+                key = (picked.name, band)
+                self._wait[key] = min(2 * self._wait.get(key, self.EXPLORE_EVERY), self.EXPLORE_MAX)
             elif measured:
                 picked, why = min(measured, key=lambda p: times[p.name] or 0.0), "least time"
                 margin, remeasure = self.hold_margin, False
@@ -453,13 +462,13 @@ class PointChooser:
                         for p in measured:
                             self._ref[(p.name, band)] = times[picked.name] or 0.0
                     self._held[band] = picked.name
-                    self._wait[picked.name] = self.EXPLORE_EVERY  # wanted: renew it often
+                    self._wait[(picked.name, band)] = self.EXPLORE_EVERY  # wanted: renew it often
             else:  # every point is on its way, none has finished a query yet
-                picked, why = max(self.points, key=lambda p: self._last[p.name]), "none measured"
+                picked, why = max(self.points, key=lambda p: last[p.name]), "none measured"
             if t_held and picked.name != self._held.get(band):  # beside the held point's time now
                 self._ref[(picked.name, band)] = t_held
             self._tried.add((picked.name, band))
-            self._last[picked.name] = self._batches
+            self._last[(picked.name, band)] = batches
             if current is None or current.point is not picked:
                 if current is not None:
                     current.end = now
@@ -473,11 +482,11 @@ class PointChooser:
         if log.isEnabledFor(logging.DEBUG):  # why this point: the times the rule compared
             shown = ", ".join(f"{k} {'-' if t is None else f'{t:.3f}s'}" for k, t in times.items())
             log.debug("hold %g, batch %d, %d in flight (band %d): %s (%s); %s",
-                      self.hold_margin, self._batches, in_flight, band, picked.name, why, shown)
+                      self.hold_margin, self._total, in_flight, band, picked.name, why, shown)
         return picked
 
     def _rerun_waits(
-        self, measured: Sequence[OperatingPoint], times: dict[str, float | None]
+        self, measured: Sequence[OperatingPoint], times: dict[str, float | None], band: int
     ) -> dict[str, int]:
         """Batches each measured point waits before a re-run: its backed-off wait, or longer
         where the re-run's excess over the quickest point's time would cost more than
@@ -490,8 +499,9 @@ class PointChooser:
         for p in measured:
             excess = (times[p.name] or 0.0) / quickest - 1.0 if quickest > 0 else 0.0
             by_cost = math.ceil(round(excess * others / self.EXPLORE_COST, 6))
-            trial = self._trial_batches[p.name]
-            waits[p.name] = trial * max(self._wait[p.name], min(by_cost, self.EXPLORE_MAX))
+            trial = self._trial_batches.get((p.name, band), 1)
+            wait = self._wait.get((p.name, band), self.EXPLORE_EVERY)
+            waits[p.name] = trial * max(wait, min(by_cost, self.EXPLORE_MAX))
         return waits
 
     def observe(

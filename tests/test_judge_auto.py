@@ -161,6 +161,25 @@ def test_a_point_not_run_for_a_while_runs_again():
 
 
 @pytest.mark.usefixtures("one_batch_trials")
+def test_re_runs_are_paced_by_their_own_bands_batches():
+    """A band's points wait for re-runs in that band's batches: a load that has been at four
+    clients for a while finds its band's times where it left them, and does not re-run every
+    point on its return (in the load benchmark, batches at one client had aged band 1's
+    points, and 31% of the next load's timed queries went to re-runs)."""
+    large, none = (OperatingPoint(**p) for p in POINTS)
+    every = PointChooser.EXPLORE_EVERY
+    chooser = PointChooser([large, none])
+    times = {"large": 1.01, "none": 1.0}
+    assert [serve(chooser, 4, times) for _ in range(3)] == ["large", "none", "none"]
+    for _ in range(10 * every):  # another load, in another band, for many waits' worth
+        serve(chooser, 1, times)
+    picks = [serve(chooser, 4, times) for _ in range(every - 2)]
+    assert picks == ["none"] * (every - 2)  # held: large's wait in band 1 has not run out
+    picks = [serve(chooser, 4, times) for _ in range(4)]
+    assert "large" in picks  # and then it has: band 1's own re-run
+
+
+@pytest.mark.usefixtures("one_batch_trials")
 def test_re_runs_spend_at_most_the_explore_cost_on_their_excess():
     """At one client a batch is one query: agent-only, 1.5x slower there, costs its excess on
     every re-run; the losers together spend at most EXPLORE_COST of the time on theirs."""
