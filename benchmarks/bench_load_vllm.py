@@ -108,7 +108,7 @@ SMALL_ROUTE = "small"  # the route of an answer the small model gave (gate accep
 CLIENT_TIMEOUT_S = 900.0
 # per mode and round, whatever C: a round must outlast this machine's jitter. At 32 a round at
 # C = 1 or 4 lasted 2.5-5 s, and one mode's rounds spread by 0.93-1.03 of another's with both
-# running the same point and the same model calls (runs 31-35)
+# running the same point and the same model calls (runs 31-34, and two probes at one client)
 MIN_REQUESTS = 64
 # auto's untimed requests at a new load, in rounds: its first trial of each point (a turnover
 # of the queue, then PointChooser.TRIAL_QUERIES counted, half of them from the agent) takes up
