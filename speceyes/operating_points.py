@@ -26,7 +26,7 @@ import logging
 import math
 import threading
 import time
-from collections import deque
+from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -327,11 +327,11 @@ class PointChooser:
     stayed, and the rule switched for a difference the moment made). So when the point that
     would displace the held one last ran while the held point's time was more than the margin
     away from its time now, that point is measured afresh (a trial, its older times dropped)
-    before any switch. A point not run for ``EXPLORE_EVERY`` trials' worth of its band's batches
-    runs a trial again, so a time measured under another mix is renewed. Each re-run that the rule then does
-    not follow doubles that point's wait (up to ``EXPLORE_MAX``), and the rule choosing it resets
-    the wait: a point that keeps losing costs a number of batches that grows with the log of the
-    run's length, not with its length. A re-run also costs what the point is slower than the
+    before any switch. A point not run for ``EXPLORE_EVERY`` trials' worth of its band's
+    batches runs a trial again, so a time measured under another mix is renewed. Each re-run
+    that the rule then does not follow doubles that point's wait (up to ``EXPLORE_MAX``), and
+    the rule choosing it resets the wait: a point that keeps losing costs a number of batches
+    that grows with the log of the run's length, not with its length. A re-run also costs what the point is slower than the
     quickest: a point ``x`` slower (0.5 for 50%) waits at least ``x * others / EXPLORE_COST``
     batches, ``others`` being the points that lose with it, so that the re-runs of the losers
     together spend at most ``EXPLORE_COST`` of the band's time on their excess (at one client a
@@ -401,16 +401,18 @@ class PointChooser:
         # visits rarely (two in flight now and then at one client) finds its points stale on
         # each visit, and a load that moves to a band after hours in another re-ran every point
         # there at once (the load benchmark at four clients after one: 31% of its queries)
-        self._batches: dict[int, int] = {}  # band: batches chosen in it so far
+        self._batches: defaultdict[int, int] = defaultdict(int)  # band: batches chosen in it
         self._total = 0  # batches chosen, every band (the decisions log's count)
-        self._last: dict[tuple[str, int], int] = {}  # (point, band): the band's batch it last ran
-        self._wait: dict[tuple[str, int], int] = {}  # (point, band): batches before a re-run
+        # (point, band): the band's batch it last ran (-1: never)
+        self._last: defaultdict[tuple[str, int], int] = defaultdict(lambda: -1)
+        # (point, band): its wait before a re-run, in trials
+        self._wait: defaultdict[tuple[str, int], int] = defaultdict(lambda: self.EXPLORE_EVERY)
         # band 0: the latest query's route time, its seconds and when it settled (the time
         # until the next batch opens is added to it when that comes back to back)
         self._serial_last: tuple[_Recent, float, float] | None = None
         self._stretches: dict[int, deque[_Stretch]] = {}  # band: its recent stretches, last: now
         # (point, band): the batches its last trial there lasted
-        self._trial_batches: dict[tuple[str, int], int] = {}
+        self._trial_batches: defaultdict[tuple[str, int], int] = defaultdict(lambda: 1)
         self._clock = clock
         self._lock = threading.Lock()
 
@@ -419,8 +421,9 @@ class PointChooser:
         with self._lock:
             self._close_serial_cycle(band)
             self._total += 1
-            batches = self._batches[band] = self._batches.get(band, 0) + 1
-            last = {p.name: self._last.get((p.name, band), -1) for p in self.points}
+            self._batches[band] += 1
+            batches = self._batches[band]
+            last = {p.name: self._last[(p.name, band)] for p in self.points}
             now = self._clock()
             runs = self._stretches.setdefault(band, deque(maxlen=64))
             current = runs[-1] if runs else None
@@ -442,7 +445,7 @@ class PointChooser:
             elif stale:
                 picked, why, trial = min(stale, key=lambda p: last[p.name]), "re-run", True
                 key = (picked.name, band)
-                self._wait[key] = min(2 * self._wait.get(key, self.EXPLORE_EVERY), self.EXPLORE_MAX)
+                self._wait[key] = min(2 * self._wait[key], self.EXPLORE_MAX)
             elif measured:
                 picked, why = min(measured, key=lambda p: times[p.name] or 0.0), "least time"
                 margin, remeasure = self.hold_margin, False
@@ -499,8 +502,7 @@ class PointChooser:
         for p in measured:
             excess = (times[p.name] or 0.0) / quickest - 1.0 if quickest > 0 else 0.0
             by_cost = math.ceil(round(excess * others / self.EXPLORE_COST, 6))
-            trial = self._trial_batches.get((p.name, band), 1)
-            wait = self._wait.get((p.name, band), self.EXPLORE_EVERY)
+            trial, wait = self._trial_batches[(p.name, band)], self._wait[(p.name, band)]
             waits[p.name] = trial * max(wait, min(by_cost, self.EXPLORE_MAX))
         return waits
 
