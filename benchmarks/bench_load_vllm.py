@@ -123,6 +123,7 @@ class Mode:
     judge: str | None = None  # the judge variant (speceyes mode only)
     large: str = "large"  # the large model's server: "large", or "large-all" (every core)
     auto_hold: float | None = None  # speceyes/auto: its hold margin (None: the funnel's default)
+    early_agent: int | None = None  # the funnel's early_agent (None: its default)
 
 
 @dataclass
@@ -192,10 +193,14 @@ def modes_of(
     auto: bool = False,
     equal_hardware: bool = False,
     auto_holds: tuple[float, ...] = (),
+    waiting: tuple[str, ...] = (),
 ) -> list[Mode]:
     """The modes a run compares: agent-only, each static judge, and with ``auto`` the default
-    auto beside one auto per hold margin of ``auto_holds`` (``speceyes/auto@hold=M``)."""
+    auto beside one auto per hold margin of ``auto_holds`` (``speceyes/auto@hold=M``); each
+    judge of ``waiting`` also with the agent started only after the gate
+    (``speceyes/J@early=0``)."""
     static = [Mode(f"speceyes/{j}", "speceyes", j) for j in judges]
+    static += [Mode(f"speceyes/{j}@early=0", "speceyes", j, early_agent=0) for j in waiting]
     extra = [Mode(f"speceyes/{AUTO}", "speceyes", AUTO)] if auto else []
     extra += [
         Mode(f"speceyes/{AUTO}@hold={h:g}", "speceyes", AUTO, auto_hold=h)
@@ -276,6 +281,8 @@ def settings_for(
     changes: dict[str, Any] = {"mode": mode.mode, "schedule": "pipelined"}
     if mode.auto_hold is not None:
         changes["auto_hold"] = mode.auto_hold
+    if mode.early_agent is not None:
+        changes["early_agent"] = mode.early_agent
     if mode.judge is not None:
         changes["judge"] = mode.judge
     return s.with_funnel(**changes)
@@ -552,6 +559,12 @@ def main() -> int:
         "beside the default one; 0 is the rule without a hold (default: none)",
     )  # fmt: skip
     ap.add_argument(
+        "--waiting", default="", metavar="J,J",
+        help="also these judge variants with --early-agent 0 (speceyes/J@early=0): the agent "
+        "loop starts only after the judge and the gate, even with one query in flight "
+        "(default: none)",
+    )  # fmt: skip
+    ap.add_argument(
         "--points",
         type=Path,
         default=None,
@@ -592,14 +605,15 @@ def main() -> int:
     from speceyes.funnel import JUDGES
 
     judges = [j.strip() for j in args.judges.split(",") if j.strip()]
-    if any(j not in JUDGES for j in judges):
-        ap.error(f"--judges takes {', '.join(JUDGES)}")
+    waiting = tuple(j.strip() for j in args.waiting.split(",") if j.strip())
+    if any(j not in JUDGES for j in (*judges, *waiting)):
+        ap.error(f"--judges and --waiting take {', '.join(JUDGES)}")
     try:
         holds = tuple(float(x) for x in args.auto_holds.split(",") if x.strip())
     except ValueError:
         ap.error(f"--auto-holds takes numbers, got {args.auto_holds!r}")
     modes = modes_of(judges, auto=args.points is not None, equal_hardware=args.equal_hardware,
-                     auto_holds=holds)  # fmt: skip
+                     auto_holds=holds, waiting=waiting)  # fmt: skip
     try:
         cpus = core_sets(args.placement)
     except ValueError as e:

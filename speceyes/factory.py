@@ -158,6 +158,7 @@ class Settings:
             schedule=arg("schedule"),  # None: the protocol's
             overlap=bool(arg("overlap", f.overlap)),
             max_agent_loops=arg("max_agent_loops", f.max_agent_loops),
+            early_agent=arg("early_agent", f.early_agent),
             protocol=arg("protocol", f.protocol),
             speculate_depth=arg("speculate_depth", f.speculate_depth),
             middle_tier=bool(arg("middle_tier", f.middle_tier)),

@@ -33,6 +33,14 @@ greedy decoding:
 - ``serial``: ``batched``, but a batch's agent loops run one at a time, as the released SpecEyes
   code runs them (the ``published`` protocol's default, so speedups share its denominator).
 
+``early_agent`` (pipelined only) starts a batch's agent loops at its opening, beside phases
+I-III, while at most that many queries are in the system (default 1: a query alone in an idle
+funnel) and fewer than half of the queries settled so far were answered early
+(``EARLY_AGENT_MAX_SHARE``), and drops the loops of the queries phases I-III answer. A query
+that needs the agent then does not wait for the judge and the gate first, so at one client its
+latency is the agent's (docs/throughput.md); results are the same, only the large model's spare
+time is spent.
+
 ``overlap`` runs phase II on the whole batch at the same time as phase I (the small model's
 answers for queries the judge sends to tools are then discarded), which hides the small model's
 latency behind the judge when the two models live on different devices or servers.
@@ -63,6 +71,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
@@ -108,6 +117,12 @@ from speceyes.types import (  # the funnel's vocabulary, re-exported for older i
 # instructions and question (prompts.JUDGE_SYSTEM, prompts.JUDGE_SUFFIX) as one text.
 PREFIX_JUDGE_TEXT = prompts.JUDGE_SYSTEM + prompts.JUDGE_SUFFIX.lstrip("\n")
 
+# early_agent starts the agent only while fewer than this share of the settled queries were
+# answered early: then the median query is an agent query, which starting early shortens; with
+# more answered early, the dropped loops' work (the search agent's first round, crops cut in the
+# app) cost the early answers more than the agent queries gained (docs/throughput.md, run 39)
+EARLY_AGENT_MAX_SHARE = 0.5
+
 
 @dataclass
 class FunnelConfig:
@@ -126,6 +141,9 @@ class FunnelConfig:
     schedule: Schedule | None = "batched"  # None: the protocol's (EvalProtocol.schedule)
     overlap: bool = False
     max_agent_loops: int = 32
+    # pipelined: start the agent loops at a batch's opening while at most this many queries are
+    # in the system (0: never); see the module docstring
+    early_agent: int = 1
     protocol: str = "fair"  # or "published": the authors' prompts and rules (protocols.py)
     # ---- the cascade (docs/cascade.md); these defaults are the paper's two-stage funnel
     speculate_depth: int = 0  # the small model's own tool calls, gated after each (small@d)
@@ -200,6 +218,8 @@ class FunnelConfig:
             raise ValueError("top_k must be at least 2")
         if (self.batch_size is not None and self.batch_size < 1) or self.max_agent_loops < 1:
             raise ValueError("batch_size and max_agent_loops must be at least 1")
+        if self.early_agent < 0:
+            raise ValueError(f"early_agent must be at least 0, got {self.early_agent}")
         if self.judge == AUTO:
             if self.judge_max_pixels is not None:
                 raise ValueError("--judge auto: a judge view budget belongs to each point")
@@ -258,7 +278,8 @@ class FunnelConfig:
         """Its fields; the cascade's only where they differ from the defaults, so a two-stage
         funnel's run configuration reads (and resumes) as before the cascade existed."""
         out = asdict(self)
-        defaults = {**CASCADE_DEFAULTS, "points": None, "auto_hold": PointChooser.HOLD_MARGIN}
+        defaults = {**CASCADE_DEFAULTS, "points": None, "auto_hold": PointChooser.HOLD_MARGIN,
+                    "early_agent": FunnelConfig.early_agent}
         for name, default in defaults.items():
             if out[name] == default:
                 del out[name]
@@ -290,6 +311,8 @@ class FunnelStats:
     # (the first stage whose gate passed); empty without a cascade.
     stage_runs: dict[str, int] = field(default_factory=dict)
     stage_accepted: dict[str, int] = field(default_factory=dict)
+    early_agent: int = 0  # agent loops started beside phases I-III (FunnelConfig.early_agent)
+    agent_dropped: int = 0  # of those, the loops dropped: phases I-III answered the query
 
     @property
     def beta(self) -> float | None:
@@ -361,7 +384,7 @@ def _answer_of(result: Result) -> str:
     return result.agent_answer or ""
 
 
-@dataclass
+@dataclass(eq=False)
 class Batch:
     """One batch on its way through the phases: each step reads it and adds its verdicts.
 
@@ -379,7 +402,15 @@ class Batch:
     cfg: FunnelConfig = field(default_factory=FunnelConfig)
     point: OperatingPoint | None = None
     opened: float = 0.0  # perf_counter() when it opened: each query's time in the funnel starts
-    in_flight: int = 0  # --judge auto: the queries in flight when its point was chosen
+    in_flight: int = 0  # the queries in the system when it opened (its own included)
+    # early_agent: the queries whose loops started at the opening; once phases I-III have
+    # decided (``decided``), the loops of those not in ``wanted`` are dropped, and a loop that
+    # ended before the decision waits in ``parked`` (outcome, seconds)
+    raced: frozenset[int] = frozenset()
+    decided: bool = False
+    wanted: frozenset[int] = frozenset()
+    parked: dict[int, tuple[Any, float]] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     def tau(self, stage: str, i: int) -> float:
         """Query ``i``'s threshold at ``stage`` (its category's, where one is calibrated)."""
@@ -429,6 +460,9 @@ class Funnel:
             judges = {p.judge for p in points}
             self._chooser = PointChooser(points, self.config.auto_hold)
         self._in_agent = 0  # queries handed to phase IV and not yet done (--judge auto's load)
+        # per operating point (None: the static configuration), the queries settled and those
+        # of them answered without the agent: early_agent's share answered early
+        self._settled: dict[str | None, list[int]] = defaultdict(lambda: [0, 0])
         # A server's queries that have not reached the funnel yet (serve sets it): they are in
         # the system too, and a point whose front is slow keeps more of them waiting, so
         # without them the load band would depend on the point.
@@ -492,6 +526,11 @@ class Funnel:
         """Phases I-III of one batch as the mode's plan says; every result that needs no agent
         loop is final when this returns, and ``to_agent`` names the others."""
         batch = self._open(queries)
+        self._decide(batch)
+        return batch
+
+    def _decide(self, batch: Batch) -> None:
+        """Phases I-III of an opened batch (see ``_front``)."""
         # the batch's own plan: under --judge auto, the agent-only point skips I-III
         plan = PLANS[batch.cfg.mode]
         if plan.judge:
@@ -508,13 +547,13 @@ class Funnel:
             batch.to_agent = batch.still_open(everyone=False)
         if batch.point is not None:
             self._observe_point(batch)
-        with self._stats_lock:
-            self._in_agent += len(batch.to_agent)
+        if not batch.raced:  # a raced batch's loops were counted when they started
+            with self._stats_lock:
+                self._in_agent += len(batch.to_agent)
         needs_agent = set(batch.to_agent)
         for i in range(len(batch.results)):
             if i not in needs_agent:
                 self._settle(batch, i)
-        return batch
 
     def _judge_and_speculate(self, batch: Batch) -> None:
         """Phases I and II in the order the judge variant asks for."""
@@ -539,10 +578,10 @@ class Funnel:
         here, alone."""
         batch = Batch(results=[Result(id=q.id, answer="") for q in queries], live={},
                       cfg=self.config, opened=time.perf_counter())
+        outside = self.waiting() if self.waiting is not None else 0
+        with self._stats_lock:
+            batch.in_flight = len(queries) + self._in_agent + outside
         if self._chooser is not None:  # --judge auto: this batch's point, by the load now
-            outside = self.waiting() if self.waiting is not None else 0
-            with self._stats_lock:
-                batch.in_flight = len(queries) + self._in_agent + outside
             batch.point = self._chooser.choose(batch.in_flight)
             batch.cfg = self.config.at_point(batch.point)
         unreadable = 0
@@ -891,19 +930,77 @@ class Funnel:
 
     def _agent_loops(self, take: Callable[[bool], Any], max_active: int | None) -> Iterator[Result]:
         """Agent loops for the ``(batch, index)`` keys ``take`` hands out, in continuous batches
-        (``agents.base.drive_loops``); yields each query's final result as its loop ends."""
-        for (batch, i), out, seconds in drive_loops(self.agent, take, max_active):
-            with self._stats_lock:
-                self._in_agent -= 1
-            r = batch.results[i]
-            r.agent_answer = out.answer
-            r.tool_calls = out.tool_calls
-            r.invalid_tool_calls = out.invalid_tool_calls
-            r.timings["agent"] = seconds
-            r.trace.extend(out.trace)
-            if out.error:
-                r.error = out.error
-            yield self._settle(batch, i)
+        (``agents.base.drive_loops``); yields each query's final result as its loop ends (an
+        early loop's, once phases I-III have sent its query to the agent)."""
+        for (batch, i), out, seconds in drive_loops(
+            self.agent, take, max_active, dropped=_unwanted
+        ):
+            if i in batch.raced:
+                with batch.lock:
+                    if not batch.decided:  # phases I-III still deciding: _end_race settles it
+                        batch.parked[i] = (out, seconds)
+                        continue
+                if i not in batch.wanted:  # answered before its loop ended: already counted
+                    continue
+            yield self._finish_agent(batch, i, out, seconds)
+
+    def _finish_agent(self, batch: Batch, i: int, out: Any, seconds: float) -> Result:
+        """Query ``i``'s agent outcome into its result, made final."""
+        with self._stats_lock:
+            self._in_agent -= 1
+        r = batch.results[i]
+        r.agent_answer = out.answer
+        r.tool_calls = out.tool_calls
+        r.invalid_tool_calls = out.invalid_tool_calls
+        r.timings["agent"] = seconds
+        r.trace.extend(out.trace)
+        if out.error:
+            r.error = out.error
+        return self._settle(batch, i)
+
+    # ---- the agent started early (early_agent) --------------------------------------------
+    def _race(self, batch: Batch) -> bool:
+        """Whether ``batch``'s agent loops start now, beside phases I-III: on the pipelined
+        schedule, for a mode that sends only the rest to the agent, while the system holds at
+        most ``early_agent`` queries (the large model is otherwise idle, so the loops cost the
+        others nothing) and less than ``EARLY_AGENT_MAX_SHARE`` of its point's settled queries
+        were answered early."""
+        cfg = batch.cfg
+        if (
+            cfg.schedule != "pipelined"
+            or PLANS[cfg.mode].agent != "rest"
+            or not batch.live
+            or batch.in_flight > cfg.early_agent
+        ):
+            return False
+        with self._stats_lock:
+            settled, early = self._settled[batch.point.name if batch.point is not None else None]
+        if settled and early / settled >= EARLY_AGENT_MAX_SHARE:
+            return False
+        batch.raced = frozenset(batch.live)
+        for i in batch.raced:
+            batch.results[i].trace.append({"type": "early_agent", "in_flight": batch.in_flight})
+        with self._stats_lock:
+            self._in_agent += len(batch.raced)
+            self.stats.early_agent += len(batch.raced)
+        return True
+
+    def _end_race(self, batch: Batch) -> list[Result]:
+        """After phases I-III of a raced batch: the loops of the queries they answered (or
+        failed) are dropped, and each loop that had already ended is settled if wanted."""
+        with batch.lock:
+            batch.wanted = frozenset(batch.to_agent)
+            batch.decided = True
+            parked, batch.parked = batch.parked, {}
+        dropped = len(batch.raced - batch.wanted)
+        with self._stats_lock:
+            self._in_agent -= dropped
+            self.stats.agent_dropped += dropped
+        return [
+            self._finish_agent(batch, i, out, seconds)
+            for i, (out, seconds) in parked.items()
+            if i in batch.wanted
+        ]
 
     def _observe_point(self, batch: Batch) -> None:
         """--judge auto: each result records the point that answered it (the chooser hears
@@ -924,6 +1021,11 @@ class Funnel:
         failed, accepted = i not in batch.live, i in batch.accepted
         r.route = route_of(batch.cfg.mode, r, failed=failed, accepted=accepted)
         r.answer = _answer_of(r)
+        if not failed:
+            with self._stats_lock:
+                counts = self._settled[batch.point.name if batch.point is not None else None]
+                counts[0] += 1
+                counts[1] += i not in batch.to_agent
         if self._chooser is not None and batch.point is not None and not failed:
             # its time in the system: a server's queue as well (a slow front makes the next
             # batch's queries wait there, and by Little's law that time costs throughput too)
@@ -997,11 +1099,19 @@ class Funnel:
                 for chunk in batches:
                     if stop.is_set():
                         return
-                    batch = self._front(chunk)
+                    batch = self._open(chunk)
+                    raced = self._race(batch)
+                    for i in batch.raced:
+                        agent_q.put((batch, i))
+                    self._decide(batch)
                     needs_agent = set(batch.to_agent)
                     for i, r in enumerate(batch.results):
                         if i not in needs_agent:
                             out_q.put(r)
+                    if raced:
+                        for r in self._end_race(batch):
+                            out_q.put(r)
+                        continue
                     for i in batch.to_agent:
                         agent_q.put((batch, i))
             except BaseException as e:  # surfaced to the consumer below
@@ -1010,16 +1120,18 @@ class Funnel:
                 agent_q.put(done)
 
         def take(block: bool) -> Any:
-            if stop.is_set():
-                return END
-            try:
-                item = agent_q.get(block=block)
-            except queue.Empty:
-                return EMPTY
-            if item is done:
-                return END
-            batch, i = item
-            return (batch, i), batch.live[i]
+            while not stop.is_set():
+                try:
+                    item = agent_q.get(block=block)
+                except queue.Empty:
+                    return EMPTY
+                if item is done:
+                    return END
+                batch, i = item
+                query = batch.live.get(i)  # an early loop's query may have failed or been answered
+                if query is not None and not _unwanted(item):
+                    return item, query
+            return END
 
         def back() -> None:
             try:
@@ -1052,6 +1164,16 @@ class Funnel:
                     threads[0].join(0.05)
             agent_q.put(done)
             threads[1].join(timeout=600)
+
+
+def _unwanted(key: tuple[Batch, int]) -> bool:
+    """Whether an agent loop's answer is no longer wanted: phases I-III answered its query
+    while the loop ran (early_agent)."""
+    batch, i = key
+    if i not in batch.raced:
+        return False
+    with batch.lock:
+        return batch.decided and i not in batch.wanted
 
 
 def _add_time(result: Result, key: str, seconds: float) -> None:

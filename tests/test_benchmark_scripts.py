@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from speceyes.funnel import FunnelConfig
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
@@ -53,6 +55,10 @@ def test_load_benchmark_modes_from_a_points_file(tmp_path):
     auto = bench.settings_for(modes["speceyes/auto"], *urls, points)
     assert auto.funnel.judge == "auto" and len(auto.funnel.operating_points()) == 2
     assert (auto.small, auto.large) == urls
+    assert large.early_agent == FunnelConfig.early_agent  # the funnel's own default
+    waiting = bench.modes_of(["large"], waiting=("large",))[-1]
+    assert waiting.label == "speceyes/large@early=0"
+    assert bench.settings_for(waiting, *urls, points).funnel.early_agent == 0
     # each client sends images at its checkpoint's own view (224x224 for the bundled models)
     assert auto.backend.large_max_pixels == auto.backend.small_max_pixels == 224 * 224
     rows = [

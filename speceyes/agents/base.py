@@ -94,7 +94,10 @@ END = object()  # ``take`` of drive_loops: nothing more will come
 
 
 def drive_loops(
-    agent: Agent, take: Callable[[bool], Any], max_active: int | None
+    agent: Agent,
+    take: Callable[[bool], Any],
+    max_active: int | None,
+    dropped: Callable[[Any], bool] | None = None,
 ) -> Iterator[tuple[Any, AgentOutcome, float]]:
     """Run agent loops with continuous batching; yields (key, outcome, seconds) as each ends.
 
@@ -124,8 +127,15 @@ def drive_loops(
                 continue
             active.append((key, loop))
             cost[id(loop)] = 0.0
+        if dropped is not None:
+            for key, lp in active:
+                if dropped(key):
+                    cost.pop(id(lp))
+            active = [(key, lp) for key, lp in active if id(lp) in cost]
         if not active:
-            return
+            if exhausted:
+                return
+            continue
         t0 = time.perf_counter()
         loops = [lp for _, lp in active]
         errors = per_item(lambda ls: (agent.advance(ls), [None] * len(ls))[1], loops)

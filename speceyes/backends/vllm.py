@@ -18,6 +18,7 @@ CPU against stand-ins of those types.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
@@ -116,6 +117,10 @@ class VLLMBackend:
             if error is None:
                 raise
             raise error from e
+        # LLM steps its engine in the calling thread and collects every finished request, so
+        # two threads in it at once (the pipelined schedule's front and agent loops) would
+        # take each other's outputs: one call at a time
+        self._lock = threading.Lock()
         self.tokenizer = self.llm.get_tokenizer()
         # The engine's context length (its max_model_len argument, else the model's own):
         # agent loops end a conversation that would outgrow it (``base.context_limit``).
@@ -140,7 +145,9 @@ class VLLMBackend:
                     continue
                 kw = {"add_generation_prompt": False, "continue_final_message": True} if flag else {}
                 convs = [self._convert(batch[i]) for i in idx]
-                for i, o in zip(idx, self.llm.chat(convs, params, use_tqdm=False, **kw), strict=True):
+                with self._lock:
+                    got = self.llm.chat(convs, params, use_tqdm=False, **kw)
+                for i, o in zip(idx, got, strict=True):
                     out[i] = o
         except Exception as e:  # pragma: no cover - GPU only
             raise BackendError(f"{self.name}: vLLM generation failed: {e}") from e
