@@ -96,9 +96,14 @@ def compare(
         for mode, r in here.items():
             if not mode.startswith("speceyes/") or mode == AUTO:
                 continue
-            judge = mode.split("/", 1)[1]
+            judge, _, variant = mode.split("/", 1)[1].partition("@")
+            cell_costs = costs
+            if variant.startswith("early="):  # bench_load_vllm --waiting: early_agent 0
+                cell_costs = replace(costs, early_agent=int(variant.split("=", 1)[1]))
+            elif variant:
+                continue  # another variant (auto@hold=M): not modelled
             rates = rates_for(judge, float(r.get("small_share") or 0.0), points.get(judge))
-            predicted[mode] = simulate_cell(costs, judge, c, rates, batches, seed)
+            predicted[mode] = simulate_cell(cell_costs, judge, c, rates, batches, seed)
         if AUTO in here:
             predicted[AUTO] = _auto_mix(here[AUTO], predicted, costs, c, points, batches, seed)
         for mode, r in here.items():

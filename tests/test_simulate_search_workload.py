@@ -287,7 +287,7 @@ def test_pipeline_caps_the_loops_in_flight():
 
 def test_pipeline_front_runs_one_batch_at_a_time_and_waits_for_it():
     c = search_costs(large_request_s=0.01, small_request_s=0.01, funnel_pipeline=True,
-                     front_wait_s=0.005, phase_overlap=False)
+                     front_wait_s=0.005, phase_overlap=False, early_agent=0)
     d = sm.draw(c, 50, 0.5, 1.0, 0)
     r = sm.simulate_one("speceyes", c, d, 1, judge="large")
     early = ~d.tool & d.accept
@@ -335,3 +335,22 @@ def test_image_preprocessing_on_the_engine_is_serial_per_query():
     assert beside == pytest.approx(1 / 0.01, rel=0.05)
     assert serial == pytest.approx(1 / 0.03, rel=0.05)
     assert not sm.CostModel().client_cpu_on_engine
+
+
+def test_pipeline_early_agent_starts_a_lone_querys_loop_beside_the_front():
+    """A query alone starts its loop with the judge: one that needs the agent no longer waits
+    for the judge first; answered early, its loop's work is spent beside it. With most queries
+    answered early the funnel stops starting loops early."""
+    # decode steps that batch (a request's fixed cost would serialise the judge and the cells)
+    c = search_costs(large_decode_s=0.01, small_decode_s=0.01, funnel_pipeline=True,
+                     front_wait_s=0.005, phase_overlap=False)
+    d = sm.draw(c, 50, 0.3, 1.0, 0)  # 30% answered early
+    wait = sm.simulate_one("speceyes", replace(c, early_agent=0), d, 1, judge="large")
+    race = sm.simulate_one("speceyes", c, d, 1, judge="large")
+    tool = d.tool
+    assert race.latencies[tool].mean() < wait.latencies[tool].mean() - 0.005
+    assert race.engines["large"]["jobs"] > wait.engines["large"]["jobs"]  # the dropped loops
+    mostly = sm.draw(c, 50, 0.9, 1.0, 0)  # 90% answered early: after the first, no race
+    wait = sm.simulate_one("speceyes", replace(c, early_agent=0), mostly, 1, judge="large")
+    race = sm.simulate_one("speceyes", c, mostly, 1, judge="large")
+    assert np.allclose(race.latencies[1:], wait.latencies[1:])

@@ -182,6 +182,11 @@ class CostModel:
     front_batch: int = 16  # the funnel's batch_size
     front_wait_s: float = 0.01  # the serve app's max_wait_ms
     max_agent_loops: int = 32  # the funnel's max_agent_loops
+    # the funnel's early_agent (funnel_pipeline only): a front batch opened while at most this
+    # many queries are in the system (and fewer than EARLY_AGENT_MAX_SHARE of those settled
+    # were answered early) starts its agent loops at once; the loops of the queries the front
+    # answers leave after their step in flight. 0: never. (The funnel's default is 1.)
+    early_agent: int = 1
 
     # The agent's shape. "deepeyes": turns of 100-300 tokens with tool calls (the fields above).
     # "search": the search agent (speceyes.agents.search): ``search_depth`` rounds, each scoring
@@ -230,6 +235,8 @@ class CostModel:
                              "and at least one decoded token per request")
         if self.funnel_pipeline and self.agent_workload != "search":
             raise ValueError("funnel_pipeline models the search agent's driver only")
+        if self.early_agent < 0:
+            raise ValueError("early_agent must be >= 0")
         if min(self.front_batch, self.max_agent_loops) < 1 or self.front_wait_s < 0:
             raise ValueError("front_batch and max_agent_loops must be >= 1, front_wait_s >= 0")
         if self.cache_block_tokens < 1:

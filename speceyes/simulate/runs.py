@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from speceyes.funnel import JUDGES  # the same variants the funnel runs
+from speceyes.funnel import EARLY_AGENT_MAX_SHARE, JUDGES  # the funnel's variants and rule
 from speceyes.operating_points import AGENT_POINT, AUTO, OperatingPoint
 from speceyes.simulate.auto import choose_point
 from speceyes.simulate.costs import (
@@ -245,6 +245,15 @@ class _Run:
         self.driver_busy = False
         self.step_left = 0
         self.step_answering: list[int] = []
+        # early_agent (the funnel's): raced queries' loops start at their front batch's
+        # opening; a loop the front answered is dropped, one that ends first waits for it
+        self.early_agent = c.early_agent if self.pipe and schedule == "speceyes" else 0
+        self.raced = [False] * self.n
+        self.decided = [False] * self.n
+        self.dropped = [False] * self.n
+        self.loop_ended = [False] * self.n
+        self.done = 0  # queries finished
+        self.settled = [0, 0]  # queries settled, and of them answered without the agent
 
     def run(self) -> RunResult:
         if self.schedule == "published":
@@ -273,6 +282,7 @@ class _Run:
 
     def _complete(self, q: int, t: float) -> None:
         self.finished[q] = t
+        self.done += 1
         if self.next_q < self.n:  # closed loop: this client sends its next query now
             self._issue(t)
 
@@ -446,6 +456,17 @@ class _Run:
         if self.schedule == "agent-only":  # no phase I-III call: all of it to the agent
             self._front_route(t, [])
             return
+        settled, early = self.settled
+        if (
+            self.early_agent
+            and self.next_q - self.done <= self.early_agent
+            and not (settled and early / settled >= EARLY_AGENT_MAX_SHARE)
+        ):
+            for q in batch:
+                self.raced[q] = True
+                self.agent_q.append(q)
+            if not self.driver_busy:
+                self._driver_step(t)
         if self.judge == "none":
             self._front_answers(t, batch)
             return
@@ -485,16 +506,30 @@ class _Run:
         ok = set(accepted)
         for q in self.front_now:
             if q in ok:
+                self.dropped[q] = self.raced[q]
+                self.settled[0] += 1
+                self.settled[1] += 1
                 self._complete(q, t)
-            else:
+            elif not self.raced[q]:
                 self.agent_q.append(q)
+            else:
+                self.decided[q] = True
+                if self.loop_ended[q]:
+                    self._agent_settled(q, t)
         if not self.driver_busy:
             self._driver_step(t)
         self._front_next(t)
 
+    def _agent_settled(self, q: int, t: float) -> None:
+        self.settled[0] += 1
+        self._complete(q, t)
+
     def _driver_step(self, t: float) -> None:
+        self.loops = [q for q in self.loops if not self.dropped[q]]
         while self.agent_q and len(self.loops) < self.costs.max_agent_loops:
             q = self.agent_q.popleft()
+            if self.dropped[q]:
+                continue
             self.turn[q] = 0
             self.loops.append(q)
         if not self.loops:
@@ -530,7 +565,9 @@ class _Run:
         self._driver_answers(t)
 
     def _driver_answers(self, t: float) -> None:
-        # a loop whose last round just ended answers in the same step, after the cells
+        # a loop the front answered during the step leaves; one whose last round just ended
+        # answers in the same step, after the cells
+        self.loops = [q for q in self.loops if not self.dropped[q]]
         ans = [q for q in self.loops if self.turn[q] >= self.costs.search_depth]
         self.step_answering = ans
         if not ans:
@@ -547,7 +584,12 @@ class _Run:
         done = set(self.step_answering)
         self.loops = [x for x in self.loops if x not in done]
         for x in self.step_answering:
-            self._complete(x, t)
+            if self.dropped[x]:  # the front answered it while this step ran
+                continue
+            if self.raced[x] and not self.decided[x]:  # the front still deciding
+                self.loop_ended[x] = True
+                continue
+            self._agent_settled(x, t)
         self._driver_step(t)
 
     # published: batch phases I, II, III, then phase IV serially, then the next batch
