@@ -13,6 +13,7 @@ import hashlib
 import io
 import json
 import re
+import threading
 
 import numpy as np
 import pytest
@@ -328,6 +329,7 @@ def test_vllm_backend_splits_continued_and_new_turns():
 
     be = object.__new__(VLLMBackend)
     be.llm, be.factor, be.min_pixels, be.max_pixels = FakeLLM(), 28, 3136, 50176
+    be._lock = threading.Lock()
     user = {"role": "user", "content": "u"}
     batch = [
         [user],

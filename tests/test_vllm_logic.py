@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import math
 import sys
+import threading
+import time
 import types
 from dataclasses import dataclass, field
 from typing import Any
@@ -358,3 +360,28 @@ def test_memory_short_at_start_names_the_flag_to_change(monkeypatch, tiny_dirs, 
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "--small-vllm-memory" in err and "memory utilization" in err
+
+
+def test_the_in_process_engine_takes_one_call_at_a_time():
+    """vLLM's LLM steps its engine in the calling thread and collects every finished request:
+    the pipelined schedule's two threads (front, agent loops) must not be in it together."""
+    inside, most = [0], [0]
+
+    class FakeLLM:
+        def chat(self, convs, params, use_tqdm=False, **kw):
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+            time.sleep(0.05)
+            inside[0] -= 1
+            return [c[-1]["content"] for c in convs]
+
+    be = object.__new__(vb.VLLMBackend)
+    be.llm, be.factor, be.min_pixels, be.max_pixels = FakeLLM(), 28, 3136, 50176
+    be._lock = threading.Lock()
+    batch = [[{"role": "user", "content": "u"}]]
+    threads = [threading.Thread(target=be._chat, args=(batch, None)) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert most[0] == 1
