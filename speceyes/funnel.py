@@ -71,7 +71,6 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
@@ -460,9 +459,9 @@ class Funnel:
             judges = {p.judge for p in points}
             self._chooser = PointChooser(points, self.config.auto_hold)
         self._in_agent = 0  # queries handed to phase IV and not yet done (--judge auto's load)
-        # per operating point (None: the static configuration), the queries settled and those
-        # of them answered without the agent: early_agent's share answered early
-        self._settled: dict[str | None, list[int]] = defaultdict(lambda: [0, 0])
+        # the queries settled and those of them answered without the agent: early_agent's
+        # share answered early (under --judge auto, the chooser's share of each point instead)
+        self._settled = [0, 0]
         # A server's queries that have not reached the funnel yet (serve sets it): they are in
         # the system too, and a point whose front is slow keeps more of them waiting, so
         # without them the load band would depend on the point.
@@ -963,8 +962,10 @@ class Funnel:
         """Whether ``batch``'s agent loops start now, beside phases I-III: on the pipelined
         schedule, for a mode that sends only the rest to the agent, while the system holds at
         most ``early_agent`` queries (the large model is otherwise idle, so the loops cost the
-        others nothing) and less than ``EARLY_AGENT_MAX_SHARE`` of its point's settled queries
-        were answered early."""
+        others nothing) and less than ``EARLY_AGENT_MAX_SHARE`` of its queries are answered
+        early: of those settled, or under ``--judge auto`` its point's share as the chooser
+        counts it (from the calibrated rate on, so a point near the bound does not switch the
+        early start on and off with each query: its times would then mix the two)."""
         cfg = batch.cfg
         if (
             cfg.schedule != "pipelined"
@@ -973,9 +974,13 @@ class Funnel:
             or batch.in_flight > cfg.early_agent
         ):
             return False
-        with self._stats_lock:
-            settled, early = self._settled[batch.point.name if batch.point is not None else None]
-        if settled and early / settled >= EARLY_AGENT_MAX_SHARE:
+        if self._chooser is not None and batch.point is not None:
+            share: float | None = self._chooser.skipped(batch.point)
+        else:
+            with self._stats_lock:
+                settled, early = self._settled
+            share = early / settled if settled else None
+        if share is not None and share >= EARLY_AGENT_MAX_SHARE:
             return False
         batch.raced = frozenset(batch.live)
         for i in batch.raced:
@@ -1023,9 +1028,8 @@ class Funnel:
         r.answer = _answer_of(r)
         if not failed:
             with self._stats_lock:
-                counts = self._settled[batch.point.name if batch.point is not None else None]
-                counts[0] += 1
-                counts[1] += i not in batch.to_agent
+                self._settled[0] += 1
+                self._settled[1] += i not in batch.to_agent
         if self._chooser is not None and batch.point is not None and not failed:
             # its time in the system: a server's queue as well (a slow front makes the next
             # batch's queries wait there, and by Little's law that time costs throughput too)

@@ -359,12 +359,9 @@ class PointChooser:
     route: the early answers come back first, and would time the point by its quick route), or
     ``TRIAL_MAX_BATCHES`` batches; the re-runs' waits are
     counted in trials (a trial's batches times the wait in batches). With one query in flight
-    there is no queue to turn over, but a trial still runs ``SERIAL_TRIAL_QUERIES`` queries: one
-    query is one question, and one question's time says little of a point (on the real engine a
-    point tried on one query looked 17% slower than the one held and served 8% more), and the
-    points there are within a few percent of each other, so the trial is longer than under load
-    (in run 39 trials of 16 queries, about 3 s at one client, timed `large` 1% quicker than
-    `none`, which then served 7% more).
+    there is no queue to turn over, but a trial still runs ``TRIAL_QUERIES`` queries: one query
+    is one question, and one question's time says little of a point (on the real engine a
+    point tried on one query looked 17% slower than the one held and served 8% more).
 
     Thread-safe (agent loops end on another thread under the pipelined schedule)."""
 
@@ -380,7 +377,6 @@ class PointChooser:
     # query settles (at 64 in flight agent-only's loops took 5 turnovers of the judged point's
     # queue to come back, and a cap in its turnovers ended its trials with nothing counted)
     TRIAL_MAX_BATCHES = 256
-    SERIAL_TRIAL_QUERIES = 64  # TRIAL_QUERIES with one query in flight (band 0)
 
     def __init__(
         self,
@@ -438,7 +434,7 @@ class PointChooser:
             stale = [p for p in measured if batches - last[p.name] > waits[p.name]]
             held = next((p for p in measured if p.name == self._held.get(band)), None)
             t_held = times[held.name] if held is not None else None
-            if current is not None and current.trial and self._trial_done(current, band):
+            if current is not None and current.trial and self._trial_done(current):
                 current.trial = False  # measured: from here the rule decides, as for any point
                 self._trial_batches[(current.point.name, band)] = current.batches
             trial = False  # a new stretch of the picked point is a trial: it measures the point
@@ -545,12 +541,12 @@ class PointChooser:
             (r for r in reversed(self._stretches.get(band, ())) if r.point.name == name), None
         )
 
-    def _trial_done(self, run: _Stretch, band: int) -> bool:
-        """Whether a trial has measured its point: half of ``TRIAL_QUERIES`` (in band 0,
-        ``SERIAL_TRIAL_QUERIES``) counted on each route its point has (queries answered early
-        come back first, and a trial that ended on them would time the point by its quick
-        route), or a cap reached (see the class notes)."""
-        half = (self.SERIAL_TRIAL_QUERIES if band == 0 else self.TRIAL_QUERIES) // 2
+    def _trial_done(self, run: _Stretch) -> bool:
+        """Whether a trial has measured its point: half of ``TRIAL_QUERIES`` counted on each
+        route its point has (queries answered early come back first, and a trial that ended on
+        them would time the point by its quick route), or a cap reached (see the class notes).
+        """
+        half = self.TRIAL_QUERIES // 2
         routes = [n for n, has in ((run.counted_early, run.point.skipped > 0),
                                    (run.counted_agent, run.point.skipped < 1)) if has]
         return all(n >= half for n in routes) or run.batches >= self.TRIAL_MAX_BATCHES

@@ -112,3 +112,14 @@ def test_a_busy_funnel_waits(q3, q25):
 def test_early_agent_must_not_be_negative():
     with pytest.raises(ValueError, match="early_agent"):
         FunnelConfig(early_agent=-1).validate()
+
+
+@pytest.mark.parametrize("alpha", [0.2, 0.9])
+def test_under_auto_the_points_share_decides(q3, q25, alpha):
+    """Under --judge auto a point's share answered early is the chooser's (from its calibrated
+    rate on): a point calibrated to answer 90% early never starts the agent early, one at 20%
+    does, whatever its first queries do (tau 1: none of them is answered early)."""
+    point = {"judge": "large", "tau": 1.0, "beta": 1.0, "alpha": alpha}
+    f, _, _ = _funnel(q3, q25, judge="auto", points=[point], early_agent=1)
+    f.run(queries(1))
+    assert f.stats.early_agent == (1 if alpha < 0.5 else 0)

@@ -382,22 +382,6 @@ def test_a_trial_ends_once_each_route_of_its_point_has_counted():
     assert chooser.choose(16) == a  # agent-only has no early route: measured on one
 
 
-def test_a_trial_at_one_client_is_longer():
-    """With one query in flight points are a few percent apart, so a trial there runs until
-    half of SERIAL_TRIAL_QUERIES (more than TRIAL_QUERIES) have counted on each route."""
-    a = OperatingPoint("large", 0.9, beta=1.0, alpha=0.5)
-    b = OperatingPoint("none", 0.9, beta=1.0, alpha=0.5)
-    chooser = PointChooser([a, b], clock=Clock())
-    half = PointChooser.SERIAL_TRIAL_QUERIES // 2
-    assert half > PointChooser.TRIAL_QUERIES // 2
-    assert chooser.choose(1) == a
-    for k in range(2 * half - 1):
-        chooser.observe(a, 1, 0.2, early=k % 2 == 0)
-        assert chooser.choose(1) == a  # still its trial: one route short of half
-    chooser.observe(a, 1, 2.0, early=False)
-    assert chooser.choose(1) == b  # measured: the next point's first trial
-
-
 def test_config_checks():
     with pytest.raises(ValueError, match="needs operating points"):
         FunnelConfig(judge="auto").validate()
