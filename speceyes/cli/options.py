@@ -283,10 +283,11 @@ def add_funnel_args(p: argparse.ArgumentParser, *, schedule: str | None = None) 
         default=f.early_agent,
         metavar="N",
         help="pipelined schedule: start a batch's agent loops beside the judge, the small "
-        "model and the gate while at most N queries are in the system, and drop those the gate "
-        "answers; a query that needs the agent then does not wait for them first. Answers are "
-        "unchanged; only the large model's idle time is spent (0: never; default: "
-        f"{f.early_agent}, a query alone in an idle server)",
+        "model and the gate while at most N queries are in the system and fewer than half of "
+        "the queries are answered early, and drop those the gate answers; a query that needs "
+        "the agent then does not wait for them first. Answers are unchanged; only the large "
+        f"model's idle time is spent (0: never; default: {f.early_agent}, a query alone in an "
+        "idle server)",
     )
     g.add_argument(
         "--max-tool-calls",
