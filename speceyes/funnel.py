@@ -36,10 +36,10 @@ greedy decoding:
 ``early_agent`` (pipelined only) starts a batch's agent loops at its opening, beside phases
 I-III, while at most that many queries are in the system (default 1: a query alone in an idle
 funnel) and fewer than half of the queries settled so far were answered early
-(``EARLY_AGENT_MAX_SHARE``), and drops the loops of the queries phases I-III answer. A query
-that needs the agent then does not wait for the judge and the gate first, so at one client its
-latency is the agent's (docs/throughput.md); results are the same, only the large model's spare
-time is spent.
+(``EARLY_AGENT_MAX_SHARE``; under ``auto``, its point's share as the chooser counts it), and
+drops the loops of the queries phases I-III answer. A query that needs the agent then does not
+wait for the judge and the gate first, so at one client its latency is the agent's
+(docs/throughput.md); results are the same, only the large model's spare time is spent.
 
 ``overlap`` runs phase II on the whole batch at the same time as phase I (the small model's
 answers for queries the judge sends to tools are then discarded), which hides the small model's
