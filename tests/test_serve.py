@@ -401,6 +401,8 @@ def test_health_models_and_metrics(served):
     assert delta("speceyes_request_seconds_count") == 1
     assert delta("speceyes_phase_seconds_count", phase="judge") == 1
     assert delta("speceyes_funnel_queries_total") == 1
+    assert metric(after, "speceyes_early_agent_loops_total") == funnel.stats.early_agent
+    assert metric(after, "speceyes_early_agent_dropped_total") == funnel.stats.agent_dropped
     assert metric(after, "speceyes_queue_depth") == 0
     assert metric(after, "speceyes_beta") == funnel.stats.beta
     assert metric(after, "speceyes_alpha") == pytest.approx(funnel.stats.alpha)

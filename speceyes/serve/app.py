@@ -355,7 +355,17 @@ class Server(ServerState):
                 "speceyes_beta": ("Share of judged queries judged tool-free.", stats.beta),
                 "speceyes_alpha": ("Gate acceptance among tool-free queries.", stats.alpha),
             },
-            {"speceyes_funnel_queries_total": ("Queries the funnel has run.", stats.queries)},
+            {
+                "speceyes_funnel_queries_total": ("Queries the funnel has run.", stats.queries),
+                "speceyes_early_agent_loops_total": (
+                    "Agent loops started beside phases I-III (--early-agent).",
+                    stats.early_agent,
+                ),
+                "speceyes_early_agent_dropped_total": (
+                    "Of those, loops dropped because the gate answered their query.",
+                    stats.agent_dropped,
+                ),
+            },
         )
         return web.Response(
             body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"}
