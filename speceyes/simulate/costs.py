@@ -14,6 +14,7 @@ import numpy as np
 
 from speceyes.backends.base import FAMILY_PIXELS, MODEL_FAMILIES
 from speceyes.bench.benchmarks import BenchImages, image_profiles
+from speceyes.funnel import FunnelConfig
 from speceyes.images import smart_resize
 from speceyes.rates import analytic_latency
 
@@ -185,8 +186,8 @@ class CostModel:
     # the funnel's early_agent (funnel_pipeline only): a front batch opened while at most this
     # many queries are in the system (and fewer than EARLY_AGENT_MAX_SHARE of those settled
     # were answered early) starts its agent loops at once; the loops of the queries the front
-    # answers leave after their step in flight. 0: never. (The funnel's default is 1.)
-    early_agent: int = 1
+    # answers leave after their step in flight. 0: never.
+    early_agent: int = FunnelConfig.early_agent
 
     # The agent's shape. "deepeyes": turns of 100-300 tokens with tool calls (the fields above).
     # "search": the search agent (speceyes.agents.search): ``search_depth`` rounds, each scoring
