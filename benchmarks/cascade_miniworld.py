@@ -24,6 +24,7 @@ from speceyes.bench.runner import EvalSpec, run_eval
 from speceyes.factory import MANIFEST, Settings, build_funnel, make_agent, make_backend
 from speceyes.miniworld import demo
 from speceyes.miniworld.summary import SPLITS
+from speceyes.types import DIRECT_PROMPTS
 
 POOLED = "all-targets"  # --pooled: the run folder of every question
 
@@ -37,6 +38,11 @@ def main() -> None:
     p.add_argument("--level", type=int, choices=demo.LEVELS, default=1)
     p.add_argument("--speculate-depth", type=int, default=1)
     p.add_argument("--no-middle-tier", action="store_true")
+    p.add_argument(
+        "--direct-prompt", default=DIRECT_PROMPTS[0], choices=DIRECT_PROMPTS,
+        help="the middle tier's prompt (as eval's --direct-prompt): its confidences, and so its "
+        "thresholds, belong to the prompt they were logged with",
+    )
     p.add_argument("--resume", action="store_true")
     p.add_argument(
         "--pooled",
@@ -56,7 +62,8 @@ def main() -> None:
     models_dir = args.models or demo.LEVEL_MODELS[args.level]
     models = demo.find_models(models_dir)
     settings = Settings.from_manifest(models_dir / MANIFEST).with_funnel(
-        mode="both", speculate_depth=args.speculate_depth, middle_tier=not args.no_middle_tier
+        mode="both", speculate_depth=args.speculate_depth, middle_tier=not args.no_middle_tier,
+        direct_prompt=args.direct_prompt,
     )
     split = demo.TestSplit.from_settings(settings)
     split.level, split.seed, split.scenes = args.level, args.seed, args.scenes

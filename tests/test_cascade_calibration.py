@@ -163,13 +163,17 @@ def test_keeps_the_cheapest_certified_vector():
     idx = cr.accepted_stage(log, cr.tau_matrix(log.stages, ch.taus))
     assert cost(idx, cr.tau_matrix(log.stages, ch.taus))[0] == pytest.approx(ch.cost)
     # Each path's own last certified vector is no cheaper than the one kept.
-    for w in cc.default_directions(len(log.stages)):
-        alone = cc.certify_cascade(log, E, DELTA / 5, directions=w[None, :], n_grid=GRID)
+    paths = cc.default_directions(len(log.stages))
+    assert len(paths) == 2 ** len(log.stages) - 1
+    for w in paths:
+        alone = cc.certify_cascade(log, E, DELTA / len(paths), directions=w[None, :], n_grid=GRID)
         if alone.passed:
             assert ch.cost <= alone.cost + 1e-9
     m, k = cr.accepted_wrong(log, idx)
     assert (int(m[0]), int(k[0])) == (ch.n_accepted, ch.errors)
-    assert ch.bound == pytest.approx(ltt.clopper_pearson_upper(ch.errors, ch.n_accepted, DELTA / 5))
+    assert ch.bound == pytest.approx(
+        ltt.clopper_pearson_upper(ch.errors, ch.n_accepted, DELTA / len(paths))
+    )
 
 
 def test_a_costlier_stage_is_used_less():

@@ -83,9 +83,14 @@ class CascadeChoice:
 
 
 def default_directions(n_stages: int) -> np.ndarray:
-    """Paths through threshold space, one row of acceptance weights per path: every stage alike,
-    then each stage alone (the single-stage funnels are members of the family)."""
-    return np.vstack([np.ones(n_stages), np.eye(n_stages)])
+    """Paths through threshold space, one row of acceptance weights per path: every non-empty
+    subset of the stages, its stages alike and the others off. The single-stage funnels are
+    members of the family, and so is any cascade that turns off a stage whose answers are too
+    often wrong while the others stay on (on the mini world ``small@1`` is confidently wrong after
+    a zoom: with only "every stage" and "each alone" no vector kept ``small@0`` and the middle
+    tier together). 2^S - 1 paths, each tested at delta / (2^S - 1)."""
+    subsets = range(1, 2**n_stages)
+    return np.array([[float(m >> s & 1) for s in range(n_stages)] for m in subsets])
 
 
 def stage_quantile_taus(log: cr.CascadeLog, shares: np.ndarray) -> np.ndarray:
@@ -104,15 +109,27 @@ def stage_quantile_taus(log: cr.CascadeLog, shares: np.ndarray) -> np.ndarray:
     return out
 
 
-def _fixed_sequence(
+@dataclass(frozen=True)
+class Certified:
+    """Every threshold vector the fixed-sequence test certified: with probability >= 1 - delta
+    all of them hold the bound at once, so any rule may pick among them (the cheapest by the
+    run's replayed seconds, or by a simulated deployment: ``calibrate --price-bench``)."""
+
+    taus: np.ndarray  # (V, S)
+    idx: np.ndarray  # (n, V) the stage accepting each query, -1: the agent
+    path_delta: float  # the level each path was tested at
+    tested: int
+
+
+def certified_vectors(
     log: cr.CascadeLog,
     max_error: float,
     delta: float,
-    directions: np.ndarray | None,
-    n_grid: int,
-    start_rate: float,
-    cost_fn: cr.CostFn,
-) -> CascadeChoice:
+    directions: np.ndarray | None = None,
+    n_grid: int = DEFAULT_GRID,
+    start_rate: float = 0.5,
+) -> Certified:
+    """The fixed-sequence test along every path (module doc)."""
     dirs = default_directions(len(log.stages)) if directions is None else np.atleast_2d(directions)
     if dirs.shape[1] != len(log.stages) or np.any(dirs < 0):
         raise ValueError(f"directions must be non-negative rows of {len(log.stages)} weights")
@@ -134,10 +151,27 @@ def _fixed_sequence(
         valid_taus.append(taus[rejected])
         valid_idx.append(idx[:, rejected])
     if not valid_taus:
+        return Certified(np.zeros((0, len(log.stages))), np.zeros((log.n, 0), np.int64),
+                         path_delta, tested)
+    return Certified(np.vstack(valid_taus), np.hstack(valid_idx), path_delta, tested)
+
+
+def _fixed_sequence(
+    log: cr.CascadeLog,
+    max_error: float,
+    delta: float,
+    directions: np.ndarray | None,
+    n_grid: int,
+    start_rate: float,
+    cost_fn: cr.CostFn,
+) -> CascadeChoice:
+    found = certified_vectors(log, max_error, delta, directions, n_grid, start_rate)
+    path_delta, tested = found.path_delta, found.tested
+    if not len(found.taus):
         return CascadeChoice(
             {s: NO_TAU for s in log.stages}, False, FIXED_SEQUENCE, delta, log.n, tested=tested
         )
-    taus_all, idx_all = np.vstack(valid_taus), np.hstack(valid_idx)
+    taus_all, idx_all = found.taus, found.idx
     costs = cost_fn(idx_all, taus_all)
     m, k = cr.accepted_wrong(log, idx_all)
     best = int(np.lexsort((-m, costs))[0])  # cheapest; ties: the one accepting most
@@ -320,15 +354,25 @@ def calibrate_cascade(
     n_grid: int = DEFAULT_GRID,
     start_rate: float = 0.5,
     seed: int = 0,
+    price: Callable[[cr.CascadeLog], cr.CostFn] | None = None,
+    price_info: Mapping[str, Any] | None = None,
 ) -> CascadeCalibration:
     """Calibrate the cascade on a ``both`` run that logged every stage (module doc); ``split``
-    calibrates on its calib part and replays the chosen thresholds on its test part."""
+    calibrates on its calib part and replays the chosen thresholds on its test part.
+
+    ``price(log)`` prices the certified vectors instead of the run's replayed seconds (for
+    example a simulated deployment: :class:`speceyes.simulate.cascade_price.SimulatedPrice`);
+    ``price_info`` describes it in the file. Either way the kept vector is one the test
+    certified, so the guarantee is the same."""
     calib_run, test_run = run, None
     if split is not None:
         parts = split_run(run, split)
         calib_run, test_run = parts["calib"], parts["test"]
     log = cr.cascade_log(calib_run, stages)
-    cost_fn, _ = cr.run_cost(calib_run, log)
+    if price is not None and (per_category or method != FIXED_SEQUENCE):
+        raise ValueError("a price other than the run's seconds is for the fixed-sequence "
+                         "method's overall thresholds (no --per-category)")
+    cost_fn = cr.run_cost(calib_run, log)[0] if price is None else price(log)
     delta = 1.0 - confidence
     options = dict(method=method, n_grid=n_grid, start_rate=start_rate, seed=seed, cost_fn=cost_fn)
     choice = certify_cascade(log, max_error, delta, ids=calib_run.ids, **options)
@@ -390,6 +434,12 @@ def calibrate_cascade(
         "delta": delta,
         "valid_vectors": choice.valid,
         "cost": choice.cost,
+        "price": dict(price_info or {"by": "the calibration run's replayed seconds"}),
+        # what the kept vector does, in the simulator's terms (simulate --cascade --mix-from)
+        "mix": cr.stage_mix(
+            log, cr.tau_matrix(log.stages, choice.taus)[0],
+            cr.accepted_stage(log, cr.tau_matrix(log.stages, choice.taus))[:, 0],
+        ),
         "errors": choice.errors,
         "stage_results": choice.stage_results,
         "in_sample": asdict(in_sample),

@@ -224,6 +224,21 @@ def accepted_wrong(log: CascadeLog, stage_idx: np.ndarray) -> tuple[np.ndarray, 
     return acc.sum(axis=0), wrong.sum(axis=0)
 
 
+def stage_mix(log: CascadeLog, taus: np.ndarray, idx: np.ndarray) -> dict[str, Any]:
+    """What one threshold vector does, in the simulator's terms: ``beta``, the share the judge
+    sent tool-free (1.0 without judge decisions), and ``accept``, each stage's acceptance among
+    the queries that reached it (0 for a stage that is off). ``taus`` (S,), ``idx`` (n,): the
+    stage accepting each query."""
+    taus, idx = np.asarray(taus, dtype=np.float64), np.asarray(idx)
+    beta = float(log.eligible[:, log.stages.index(SMALL0)].mean()) if SMALL0 in log.stages else 1.0
+    ran = visited(log, idx[:, None], taus[None, :])[:, :, 0]  # (n, S)
+    accept = {}
+    for j, stage in enumerate(log.stages):
+        reached = int(ran[:, j].sum())
+        accept[stage] = float(np.sum(idx == j) / reached) if reached else 0.0
+    return {"beta": beta, "accept": accept}
+
+
 def gpu_time_cost(log: CascadeLog) -> CostFn:
     """Cost of a routing with agent seconds summed over the loops kept (the GPU-time model)."""
     agent = np.where(np.isnan(log.agent_seconds), np.nanmean(log.agent_seconds), log.agent_seconds)

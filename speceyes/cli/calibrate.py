@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from speceyes.cli.simulate import SIM_BENCHES
+from speceyes.types import DIRECT_PROMPTS, JUDGES
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     cal = sub.add_parser(
@@ -72,6 +75,29 @@ def _add_cascade_options(cal: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also thresholds per category (adaptive gating), each category at delta/G",
     )
+    price = cal.add_argument_group(
+        "cascade: which certified vector to keep",
+        "Every threshold vector the test certifies holds the guarantee, so any one may be kept. "
+        "By default the one whose replayed seconds on the run are least; with --price-bench the "
+        "one a simulated deployment serves fastest: each vector's stage mix (judge share, each "
+        "stage's acceptance) through `speceyes simulate --cascade` on that benchmark's images.",
+    )
+    price.add_argument(
+        "--price-bench", default=None, choices=SIM_BENCHES,
+        help="price the vectors on this benchmark's image sizes (GPU cost model)",
+    )
+    price.add_argument(
+        "--price-judge", default=None, choices=list(JUDGES),
+        help="the judge variant of the deployment (default: the run's)",
+    )
+    price.add_argument("--price-concurrency", type=int, default=16, help="clients (closed loop)")
+    price.add_argument(
+        "--price-shared-gpu", action="store_true", help="both models on one GPU (default: one each)"
+    )
+    price.add_argument(
+        "--price-costs", default=None, metavar="JSON",
+        help="measured engine costs over the benchmark's (as simulate --costs)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -127,6 +153,7 @@ def _run_cascade(args: argparse.Namespace, run, run_dir: str) -> int:
     ]
     if given:  # the stages' confidences are logged at the run's gate setting
         raise ValueError(f"--cascade does not take {', '.join(given)} (use --split to hold out)")
+    pricing = _simulated_price(args, run)
     cal = cc.calibrate_cascade(
         run,
         max_error=args.max_error,
@@ -135,7 +162,12 @@ def _run_cascade(args: argparse.Namespace, run, run_dir: str) -> int:
         per_category=args.per_category,
         split=parse_split(args.split, args.seed) if args.split else None,
         seed=args.seed,
+        price=None if pricing is None else pricing.bind,
+        price_info=None if pricing is None else pricing.info,
     )
+    if pricing is not None and cal.base.passed:
+        cal.cascade["price"] |= pricing.report(cal.cascade["mix"])
+        print(pricing.describe(cal.cascade["price"]))
     out = Path(args.output or Path(run_dir) / "calibration.json")
     cc.write_cascade_calibration(cal, out)
     print(cc.format_cascade_calibration(cal))
@@ -144,6 +176,26 @@ def _run_cascade(args: argparse.Namespace, run, run_dir: str) -> int:
         return 1
     print(f"wrote {out} (pass it to eval or serve with --calibration)")
     return 0
+
+
+def _simulated_price(args: argparse.Namespace, run):
+    """--price-bench: a simulated deployment that prices the certified vectors (None without)."""
+    asked = [f for f, v in (("--price-judge", args.price_judge), ("--price-costs", args.price_costs),
+                            ("--price-shared-gpu", args.price_shared_gpu or None)) if v is not None]
+    if args.price_bench is None:
+        if asked:
+            raise ValueError(f"{', '.join(asked)}: only with --price-bench")
+        return None
+    from speceyes.simulate.cascade_price import DeploymentPrice
+
+    return DeploymentPrice.from_options(
+        bench=args.price_bench,
+        judge=args.price_judge or run.config.get("judge") or "large",
+        concurrency=args.price_concurrency,
+        shared_gpu=args.price_shared_gpu,
+        costs_file=args.price_costs,
+        direct_prompt=run.config.get("direct_prompt") or DIRECT_PROMPTS[0],
+    )
 
 
 def _run_points(args: argparse.Namespace) -> int:

@@ -6,6 +6,10 @@ import argparse
 
 from speceyes.types import DIRECT_PROMPTS
 
+# the simulator's image profiles (speceyes.bench.benchmarks.image_profiles; named here so that
+# --help does not import the benchmark registry)
+SIM_BENCHES = ("vstar", "hrbench4k", "hrbench8k", "pope", "miniworld")
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     sim = sub.add_parser(
@@ -31,7 +35,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="both models on one GPU (default: one GPU each; agent-only always gets one)",
     )
     sim.add_argument(
-        "--bench", default=None, choices=["vstar", "hrbench4k", "hrbench8k", "pope", "miniworld"],
+        "--bench", default=None, choices=SIM_BENCHES,
         help="image and crop tokens from smart_resize of this benchmark's images (default: V*)",
     )
     sim.add_argument(
@@ -73,6 +77,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="acceptance among the queries reaching each stage, e.g. "
         "small@0=0.71,small@1=0.4,large_direct=0.3 (small@0 sets --alpha; default: assumed "
         "small@1=0.4, large_direct=0.3)",
+    )
+    cas.add_argument(
+        "--mix-from", default=None, metavar="CALIBRATION",
+        help="a cascade calibration file (calibrate --cascade): the kept thresholds' stage mix "
+        "as measured on its run (judge share, each stage's acceptance) and its stages and "
+        "direct prompt, in place of --beta, --alpha, --stage-accept, --speculate-depth, "
+        "--no-middle-tier and --direct-prompt; --alpha-tool defaults to 0 (a judged log does "
+        "not measure it)",
     )
     cas.add_argument(
         "--direct-prompt", default=DIRECT_PROMPTS[0], choices=DIRECT_PROMPTS,
@@ -135,18 +147,43 @@ def run(args: argparse.Namespace) -> int:
 def _run_cascade(args: argparse.Namespace, costs, cs: list[int], judges: list[str]) -> int:
     from speceyes.simulate import cascade as sc
 
-    accept = sc.parse_stage_accept(args.stage_accept) if args.stage_accept else None
-    alpha = args.alpha if accept is None else accept.pop("small@0", args.alpha)
-    spec = sc.CascadeSpec(
-        args.speculate_depth, not args.no_middle_tier, accept, args.direct_prompt
-    )
-    alpha_tool = sc.DEFAULT_ALPHA_TOOL if args.alpha_tool is None else args.alpha_tool
-    rows = sc.compare(costs, spec, cs, args.queries, args.beta, alpha, args.seed, judges, alpha_tool)
+    beta, alpha_tool = args.beta, args.alpha_tool
+    if args.mix_from:
+        if args.stage_accept:
+            raise ValueError("--mix-from sets the stages' acceptance: drop --stage-accept")
+        spec, beta, alpha = _mix_of(args.mix_from)
+        alpha_tool = 0.0 if alpha_tool is None else alpha_tool
+    else:
+        accept = sc.parse_stage_accept(args.stage_accept) if args.stage_accept else None
+        alpha = args.alpha if accept is None else accept.pop("small@0", args.alpha)
+        spec = sc.CascadeSpec(
+            args.speculate_depth, not args.no_middle_tier, accept, args.direct_prompt
+        )
+    alpha_tool = sc.DEFAULT_ALPHA_TOOL if alpha_tool is None else alpha_tool
+    rows = sc.compare(costs, spec, cs, args.queries, beta, alpha, args.seed, judges, alpha_tool)
     print(sc.format_table(rows))
     note = f"{args.bench} images" if args.bench else ""
     note += ", one GPU for both models" if costs.shared_gpu else ""
+    note += f", the stage mix of {args.mix_from}" if args.mix_from else ""
     paths = sc.write_outputs(
-        rows, args.output, costs, spec, args.beta, alpha, args.queries, args.seed, note
+        rows, args.output, costs, spec, beta, alpha, args.queries, args.seed, note
     )
     print(f"wrote {', '.join(str(p) for p in paths)}")
     return 0
+
+
+def _mix_of(path: str):
+    """(cascade spec, beta, small@0's alpha) of a cascade calibration file's kept thresholds."""
+    import json
+    from pathlib import Path
+
+    from speceyes.simulate.cascade_price import mix_from_file
+
+    raw = json.loads(Path(path).read_text(encoding="utf-8"))
+    block = raw.get("cascade") if isinstance(raw, dict) else None
+    if not isinstance(block, dict) or "mix" not in block:
+        raise ValueError(
+            f"{path}: no stage mix (a cascade calibration file written by calibrate --cascade)"
+        )
+    mix = mix_from_file(block["mix"])
+    return mix.spec(str(block.get("direct_prompt", DIRECT_PROMPTS[0]))), mix.beta, mix.alpha
