@@ -664,7 +664,7 @@ class Funnel:
         """The agent's own first-turn messages, then the direct question as a user turn (the
         middle tier with ``--direct-prompt agent-prefix``)."""
         query = Query(id="direct", image=image, question=question, options=options)
-        return [*self.agent.first_messages(query), _user_turn(prompts.DIRECT_TURN_TEXT)]
+        return [*self.agent.first_messages(query), prompts.direct_turn()]
 
     # ---- phase II -------------------------------------------------------------------------
     def _speculate(self, batch: Batch, idx: Sequence[int]) -> None:

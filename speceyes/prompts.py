@@ -128,6 +128,12 @@ def deepeyes_messages(image, question: str, options: Sequence[str] | None = None
     ]
 
 
+def direct_turn() -> dict:
+    """The middle tier's question as one more user turn after the agent's first-turn messages
+    (``--direct-prompt agent-prefix``)."""
+    return {"role": "user", "content": [text_part(DIRECT_TURN_TEXT)]}
+
+
 def deepeyes_tool_response(crop) -> dict:
     """The user turn that returns a zoomed crop, exactly as the DeepEyes loop builds it."""
     return {

@@ -370,3 +370,37 @@ def test_trained_tool_call_box_reads_back_to_the_crop_it_returns(tmp_path, famil
         # and still runs it with each coordinate a few units off (the model's digits are)
         off = [v + d for v, d in zip(box, (2, 2, -2, -2), strict=True)]
         images.checked_crop_box(off, view, be.box_coords, MIN_BOX)
+
+
+def test_direct_turns_train_the_middle_tiers_agent_prefix_prompt(tmp_path):
+    """--direct-turns adds, per scene question, the large model's direct answer after the
+    agent's first turn: the messages the funnel sends with --direct-prompt agent-prefix (for the
+    search agent, the DeepEyes first turn), labelled with the answer word."""
+    from speceyes.agents.search import SearchAgent
+    from speceyes.funnel import Funnel
+
+    be = M.load_backend(M.build_base(tmp_path, "large", M.TINY, 0))
+    rows = [r for r in D.make_questions("train", 0, 1, be, crops=False) if r["category"] != "zoom"]
+    assert rows
+    for r in rows:
+        plain = D.examples_for(r, "large", False)
+        direct = D.examples_for(r, "large", False, direct=True)
+        assert len(direct) == len(plain) + 1
+        msgs, answer, layouts = next(e for e in direct if e not in plain)
+        assert answer == D.answer_text(r) and layouts == [r["objs"]]
+        funnel = Funnel.__new__(Funnel)  # only the message builder: no models behind it
+        funnel.agent = SearchAgent(be)
+        sent = funnel._agent_prefix_direct_messages(r["view"], r["question"], r["options"])
+        assert _texts(msgs) == _texts(sent)
+        assert D.examples_for(r, "small", False, direct=True) == D.examples_for(r, "small", False)
+
+
+def _texts(messages):
+    """The conversation with images as their sizes (PIL images compare by identity)."""
+    out = []
+    for m in messages:
+        content = m["content"]
+        parts = content if isinstance(content, list) else [{"type": "text", "text": content}]
+        out.append((m["role"], [p.get("text") or getattr(p.get("image"), "size", None)
+                                for p in parts]))
+    return out

@@ -88,9 +88,12 @@ def _add_cascade_options(cal: argparse.ArgumentParser) -> None:
     )
     price.add_argument(
         "--price-judge", default=None, choices=list(JUDGES),
-        help="the judge variant of the deployment (default: the run's)",
+        help="the judge variant of the deployment (default: the run's); its routing is taken "
+        "to be the run's judge's, as the simulator takes one beta for every variant",
     )
-    price.add_argument("--price-concurrency", type=int, default=16, help="clients (closed loop)")
+    price.add_argument(
+        "--price-concurrency", type=int, default=16, help="clients, closed loop (default 16)"
+    )
     price.add_argument(
         "--price-shared-gpu", action="store_true", help="both models on one GPU (default: one each)"
     )

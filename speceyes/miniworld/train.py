@@ -284,7 +284,7 @@ def stage_b(cfg: TrainConfig, role_dir: Path, size: ModelSize) -> dict:
         # of error in its digits (trained at the minimum, a third of its boxes fell just under)
         TRAINED_MIN_BOX_PX if cfg.boxes else 0,
     )
-    pairs = [p for r in train for p in examples_for(r, cfg.role, cfg.boxes, cfg.deepeyes)]
+    pairs = [p for r in train for p in examples_for(r, cfg.role, cfg.boxes, cfg.deepeyes, cfg.direct_turns)]
     if cfg.pack > 1:
         pairs = pack_examples(pairs, cfg.pack, random.Random(cfg.seed))
     log_event(
@@ -394,6 +394,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pack", type=int, help="stage B: questions per conversation")
     p.add_argument("--deepeyes", action="store_true", help="large role: train DeepEyes turns too")
     p.add_argument("--boxes", action="store_true", help="large role: train the <tool_call> box too")
+    p.add_argument(
+        "--direct-turns", action="store_true",
+        help="large role: train the middle tier's direct answer with --direct-prompt "
+        "agent-prefix (the DeepEyes first turn on the view, then the direct question)",
+    )
     p.add_argument("--from-stage", help="eval: which stage's checkpoint")
     p.add_argument("--log-every", type=int)
     p.add_argument("--eval-every", type=int, help="stage A: evaluate every N logs")

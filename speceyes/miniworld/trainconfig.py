@@ -50,6 +50,8 @@ class TrainConfig:
     pack: int = 1  # stage B: questions per conversation
     deepeyes: bool = False  # large role: train DeepEyes turns too
     boxes: bool = False  # large role: train the <tool_call> box too
+    direct_turns: bool = False  # large role: the middle tier's direct answer after the agent's
+    # first turn (--direct-prompt agent-prefix)
     from_stage: str = "B"  # eval: which stage's checkpoint
     log_every: int = 10  # steps per log line (losses averaged over them)
     eval_every: int = 5  # stage A: evaluate every N log lines

@@ -432,11 +432,15 @@ def answer_text(row: dict) -> str:
 Example = tuple[list[dict], str, list]  # messages, assistant text, per-image object layouts
 
 
-def examples_for(row: dict, role: str, boxes: bool, deepeyes: bool = False) -> list[Example]:
+def examples_for(
+    row: dict, role: str, boxes: bool, deepeyes: bool = False, direct: bool = False
+) -> list[Example]:
     """Training examples of one question for a role. Small: the small prompt on the view and on
-    the zoom crop. Large: the same, the judge (yes for small targets, no for large) and, with
-    ``deepeyes``, the DeepEyes turns (``<answer>`` on the view, or after the crop returned as
-    the tool response; ``boxes`` adds the ``<tool_call>`` itself)."""
+    the zoom crop. Large: the same, the judge (yes for small targets, no for large), with
+    ``direct`` the middle tier's direct answer after the DeepEyes first turn (the answer word,
+    as the speculative prompt's), and with ``deepeyes`` the DeepEyes turns (``<answer>`` on the
+    view, or after the crop returned as the tool response; ``boxes`` adds the ``<tool_call>``
+    itself)."""
     q, opts, ans = row["question"], row["options"], answer_text(row)
     if row["category"] == "zoom":  # a question about a random zoom: the small prompt, any role
         return [(prompts.small_messages(row["view"], q, opts), ans, [row["objs"]])]
@@ -447,6 +451,9 @@ def examples_for(row: dict, role: str, boxes: bool, deepeyes: bool = False) -> l
         return out
     judge = "yes" if row["target_size"] == "small" else "no"
     out.append((prompts.judge_messages(row["view"], q, opts), judge, [row["objs"]]))
+    if direct:
+        turn = [*prompts.deepeyes_messages(row["view"], q, opts), prompts.direct_turn()]
+        out.append((turn, ans, [row["objs"]]))
     if not deepeyes:
         return out
     msgs = prompts.deepeyes_messages(row["view"], q, opts)
