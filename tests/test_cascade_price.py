@@ -25,6 +25,9 @@ def test_paths_cover_every_subset_of_stages():
     assert {tuple(r) for r in dirs.tolist()} == {
         (a, b, c) for a in (0.0, 1.0) for b in (0.0, 1.0) for c in (0.0, 1.0)
     } - {(0.0, 0.0, 0.0)}
+    many = cc.MAX_SUBSET_STAGES + 1  # beyond it: all, each alone, all but one
+    wide = cc.default_directions(many)
+    assert wide.shape == (2 * many + 1, many) and len({tuple(r) for r in wide.tolist()}) == len(wide)
 
 
 def test_a_pair_of_stages_is_certified_without_the_third():

@@ -59,6 +59,7 @@ FIXED_SEQUENCE = "fixed-sequence"
 BONFERRONI = "bonferroni"
 CASCADE_METHODS = (FIXED_SEQUENCE, BONFERRONI)
 DEFAULT_GRID = 100  # lambda steps per path
+MAX_SUBSET_STAGES = 5  # up to this many stages, a path per subset of them (31 paths at most)
 
 
 # ---------------------------------------------------------------------------- on arrays
@@ -88,7 +89,12 @@ def default_directions(n_stages: int) -> np.ndarray:
     members of the family, and so is any cascade that turns off a stage whose answers are too
     often wrong while the others stay on (on the mini world ``small@1`` is confidently wrong after
     a zoom: with only "every stage" and "each alone" no vector kept ``small@0`` and the middle
-    tier together). 2^S - 1 paths, each tested at delta / (2^S - 1)."""
+    tier together). 2^S - 1 paths, each tested at delta / (2^S - 1). Beyond
+    ``MAX_SUBSET_STAGES`` stages, where that many paths would cost the test its power, the
+    family is every stage alike, each alone, and every stage but one (2S + 1 paths)."""
+    if n_stages > MAX_SUBSET_STAGES:
+        ones, eye = np.ones((1, n_stages)), np.eye(n_stages)
+        return np.vstack([ones, eye, 1.0 - eye])
     subsets = range(1, 2**n_stages)
     return np.array([[float(m >> s & 1) for s in range(n_stages)] for m in subsets])
 
