@@ -164,7 +164,6 @@ def test_keeps_the_cheapest_certified_vector():
     assert cost(idx, cr.tau_matrix(log.stages, ch.taus))[0] == pytest.approx(ch.cost)
     # Each path's own last certified vector is no cheaper than the one kept.
     paths = cc.default_directions(len(log.stages))
-    assert len(paths) == 2 ** len(log.stages) - 1
     for w in paths:
         alone = cc.certify_cascade(log, E, DELTA / len(paths), directions=w[None, :], n_grid=GRID)
         if alone.passed:

@@ -19,14 +19,19 @@ from speceyes.simulate.costs import bench_costs
 from tests.tools.synthetic_cascade import Scenario, draw_cascade_log, write_synthetic_cascade_run
 
 
+def test_path_families():
+    assert cc.path_family("basic", 3).tolist() == cc.default_directions(3).tolist()
+    assert cc.default_directions(3).shape == (4, 3)  # every stage alike, each alone
+
+
 def test_paths_cover_every_subset_of_stages():
-    dirs = cc.default_directions(3)
+    dirs = cc.path_family("subsets", 3)
     assert dirs.shape == (7, 3)
     assert {tuple(r) for r in dirs.tolist()} == {
         (a, b, c) for a in (0.0, 1.0) for b in (0.0, 1.0) for c in (0.0, 1.0)
     } - {(0.0, 0.0, 0.0)}
     many = cc.MAX_SUBSET_STAGES + 1  # beyond it: all, each alone, all but one
-    wide = cc.default_directions(many)
+    wide = cc.subset_directions(many)
     assert wide.shape == (2 * many + 1, many) and len({tuple(r) for r in wide.tolist()}) == len(wide)
 
 
@@ -38,11 +43,17 @@ def test_a_pair_of_stages_is_certified_without_the_third():
     wrong = log.wrong.copy()
     wrong[:, 1] = True  # small@1 is always wrong, whatever its confidence
     log = cr.CascadeLog(**{**log.__dict__, "wrong": wrong})
-    found = cc.certified_vectors(log, 0.1, 0.1, n_grid=50)
+    found = cc.certified_vectors(log, 0.1, 0.1, cc.subset_directions(3), n_grid=50)
     on = found.taus < NO_TAU
     assert len(found.taus) and not on[:, 1].any()
     assert (on[:, 0] & on[:, 2]).any()
     assert found.path_delta == pytest.approx(0.1 / 7)
+    basic = cc.certified_vectors(log, 0.1, 0.1, cc.path_family("basic", 3), n_grid=50)
+    on = basic.taus < NO_TAU
+    assert len(basic.taus) and not (on[:, 0] & on[:, 2]).any()
+    assert basic.path_delta == pytest.approx(0.1 / 4)
+    with pytest.raises(ValueError, match="unknown path family"):
+        cc.path_family("all", 3)
 
 
 def test_stage_mix_counts_acceptance_among_the_queries_reaching_each_stage():
@@ -88,7 +99,7 @@ def test_calibrate_prices_and_simulate_replays_the_same_mix(tmp_path, capsys):
     run_dir = write_synthetic_cascade_run(tmp_path / "run", 600, seed=3, depth=1)
     out = tmp_path / "cal.json"
     rc = main(["calibrate", str(run_dir), "--cascade", "--max-error", "0.15",
-               "--price-bench", "hrbench8k", "--price-judge", "prefix",
+               "--cascade-paths", "subsets", "--price-bench", "hrbench8k", "--price-judge", "prefix",
                "--price-concurrency", "4", "--output", str(out)])
     assert rc == 0
     assert "kept for a simulated deployment (hrbench8k images, judge prefix, C=4" in (
@@ -96,6 +107,7 @@ def test_calibrate_prices_and_simulate_replays_the_same_mix(tmp_path, capsys):
     )
     data = json.loads(out.read_text())
     price = data["cascade"]["price"]
+    assert data["cascade"]["paths"] == "subsets"
     assert price["judge"] == "prefix" and price["x_agent_only"] > 0
     main(["simulate", "--cascade", "--bench", "hrbench8k", "--mix-from", str(out),
           "--judge", "prefix", "--concurrency", "4", "--queries", str(price["queries"]),

@@ -83,7 +83,30 @@ class CascadeChoice:
     stage_results: list[dict[str, Any]] = field(default_factory=list)  # bonferroni: per stage
 
 
+BASIC, SUBSETS = "basic", "subsets"
+PATH_FAMILIES = (BASIC, SUBSETS)
+
+
+def path_family(name: str, n_stages: int) -> np.ndarray:
+    """The paths of a named family. ``basic`` (the default): every stage alike and each alone,
+    S + 1 paths (the single-stage funnels are members of the family). ``subsets``
+    (:func:`subset_directions`): one per subset of the stages, so that a stage can be off while
+    the others stay on, at the price of more paths, each tested at a smaller share of delta.
+    Neither dominates at a few hundred calibration queries (docs/cascade.md)."""
+    if name == BASIC:
+        return default_directions(n_stages)
+    if name == SUBSETS:
+        return subset_directions(n_stages)
+    raise ValueError(f"unknown path family {name!r}; one of {', '.join(PATH_FAMILIES)}")
+
+
 def default_directions(n_stages: int) -> np.ndarray:
+    """Paths through threshold space, one row of acceptance weights per path: every stage alike,
+    then each stage alone (the single-stage funnels are members of the family)."""
+    return np.vstack([np.ones((1, n_stages)), np.eye(n_stages)])
+
+
+def subset_directions(n_stages: int) -> np.ndarray:
     """Paths through threshold space, one row of acceptance weights per path: every non-empty
     subset of the stages, its stages alike and the others off. The single-stage funnels are
     members of the family, and so is any cascade that turns off a stage whose answers are too
@@ -362,6 +385,7 @@ def calibrate_cascade(
     seed: int = 0,
     price: Callable[[cr.CascadeLog], cr.CostFn] | None = None,
     price_info: Mapping[str, Any] | None = None,
+    paths: str = BASIC,
 ) -> CascadeCalibration:
     """Calibrate the cascade on a ``both`` run that logged every stage (module doc); ``split``
     calibrates on its calib part and replays the chosen thresholds on its test part.
@@ -381,6 +405,8 @@ def calibrate_cascade(
     cost_fn = cr.run_cost(calib_run, log)[0] if price is None else price(log)
     delta = 1.0 - confidence
     options = dict(method=method, n_grid=n_grid, start_rate=start_rate, seed=seed, cost_fn=cost_fn)
+    if method == FIXED_SEQUENCE:
+        options["directions"] = path_family(paths, len(log.stages))
     choice = certify_cascade(log, max_error, delta, ids=calib_run.ids, **options)
     cat_choices = None
     if per_category:
@@ -438,6 +464,7 @@ def calibrate_cascade(
         # the middle tier's prompt moves its answers and confidences: the run's, recorded
         "direct_prompt": cfg.get("direct_prompt", DIRECT_PROMPTS[0]),
         "delta": delta,
+        "paths": paths if method == FIXED_SEQUENCE else None,
         "valid_vectors": choice.valid,
         "cost": choice.cost,
         "price": dict(price_info or {"by": "the calibration run's replayed seconds"}),

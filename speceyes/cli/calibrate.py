@@ -71,6 +71,15 @@ def _add_cascade_options(cal: argparse.ArgumentParser) -> None:
         "bonferroni: stage by stage at delta/S, each on its own part of the queries",
     )
     cas.add_argument(
+        "--cascade-paths",
+        default="basic",
+        choices=["basic", "subsets"],
+        help="fixed-sequence: the paths through threshold space, fixed before the labels are "
+        "seen: basic (every stage alike and each alone; S + 1 paths) or subsets (one per subset "
+        "of the stages, so a stage can be off while the others stay on; 2^S - 1 paths, each "
+        "tested at a smaller share of delta)",
+    )
+    cas.add_argument(
         "--per-category",
         action="store_true",
         help="also thresholds per category (adaptive gating), each category at delta/G",
@@ -165,6 +174,7 @@ def _run_cascade(args: argparse.Namespace, run, run_dir: str) -> int:
         per_category=args.per_category,
         split=parse_split(args.split, args.seed) if args.split else None,
         seed=args.seed,
+        paths=args.cascade_paths,
         price=None if pricing is None else pricing.bind,
         price_info=None if pricing is None else pricing.info,
     )
