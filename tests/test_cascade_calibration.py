@@ -78,11 +78,14 @@ def _violations(scenario, fresh_log, choose, reps=REPS, n=N):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("family", cc.PATH_FAMILIES)
 @pytest.mark.parametrize("scenario", [FLAT, CORRELATED], ids=["flat", "correlated"])
-def test_fixed_sequence_coverage(scenario, fresh):
-    bad, accepted = _violations(
-        scenario, fresh, lambda log: cc.certify_cascade(log, E, DELTA, n_grid=GRID).taus
-    )
+def test_fixed_sequence_coverage(scenario, family, fresh):
+    def choose(log):
+        paths = cc.path_family(family, len(log.stages))
+        return cc.certify_cascade(log, E, DELTA, directions=paths, n_grid=GRID).taus
+
+    bad, accepted = _violations(scenario, fresh, choose)
     # One-sided binomial check: a true violation rate of delta makes this count unsurprising.
     assert _upper_tail(bad, REPS, DELTA) > 1e-3, bad / REPS
     if scenario is CORRELATED:
