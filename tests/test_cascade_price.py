@@ -123,6 +123,11 @@ def test_clear_errors(tmp_path, capsys):
     run_dir = write_synthetic_cascade_run(tmp_path / "run", 200, seed=4, depth=1)
     assert main(["calibrate", str(run_dir), "--cascade", "--price-judge", "none"]) != 0
     assert "--price-judge: only with --price-bench" in capsys.readouterr().err
+    results = json.loads((run_dir / "results.json").read_text())
+    results["config"]["judge"] = "auto"
+    (run_dir / "results.json").write_text(json.dumps(results))
+    assert main(["calibrate", str(run_dir), "--cascade", "--price-bench", "vstar"]) != 0
+    assert "give --price-judge" in capsys.readouterr().err
     plain = tmp_path / "plain.json"
     plain.write_text(json.dumps({"tau": 0.9}))
     sim = ["simulate", "--cascade", "--mix-from", str(plain), "--output", str(tmp_path / "s")]

@@ -201,9 +201,12 @@ def _simulated_price(args: argparse.Namespace, run):
         return None
     from speceyes.simulate.cascade_price import DeploymentPrice
 
+    judge = args.price_judge or run.config.get("judge") or JUDGES[0]
+    if judge not in JUDGES:  # e.g. a run of --judge auto: several variants answered
+        raise ValueError(f"the run's judge {judge!r} is not one variant: give --price-judge")
     return DeploymentPrice.from_options(
         bench=args.price_bench,
-        judge=args.price_judge or run.config.get("judge") or "large",
+        judge=judge,
         concurrency=args.price_concurrency,
         shared_gpu=args.price_shared_gpu,
         costs_file=args.price_costs,
