@@ -227,13 +227,15 @@ def accepted_wrong(log: CascadeLog, stage_idx: np.ndarray) -> tuple[np.ndarray, 
 def stage_mix(log: CascadeLog, taus: np.ndarray, idx: np.ndarray) -> dict[str, Any]:
     """What one threshold vector does, in the simulator's terms: ``beta``, the share the judge
     sent tool-free (1.0 without judge decisions), and ``accept``, each stage's acceptance among
-    the queries that reached it (0 for a stage that is off). ``taus`` (S,), ``idx`` (n,): the
-    stage accepting each query."""
+    the queries that reached it, for the stages that are on (a stage at NO_TAU is skipped, and
+    absent). ``taus`` (S,), ``idx`` (n,): the stage accepting each query."""
     taus, idx = np.asarray(taus, dtype=np.float64), np.asarray(idx)
     beta = float(log.eligible[:, log.stages.index(SMALL0)].mean()) if SMALL0 in log.stages else 1.0
     ran = visited(log, idx[:, None], taus[None, :])[:, :, 0]  # (n, S)
     accept = {}
     for j, stage in enumerate(log.stages):
+        if taus[j] >= NO_TAU:
+            continue
         reached = int(ran[:, j].sum())
         accept[stage] = float(np.sum(idx == j) / reached) if reached else 0.0
     return {"beta": beta, "accept": accept}

@@ -36,7 +36,7 @@ class StageMix:
     """What one threshold vector does, as the simulator's parameters."""
 
     beta: float  # share of queries the judge sent tool-free (1.0 when the log has no judge)
-    accept: dict[str, float]  # per stage: accepted / reached (0 for a stage that is off)
+    accept: dict[str, float]  # per stage that is on: accepted / reached (an off stage: absent)
 
     @property
     def alpha(self) -> float:
@@ -45,7 +45,7 @@ class StageMix:
     def spec(self, direct_prompt: str = DIRECT_PROMPTS[0]) -> sc.CascadeSpec:
         """The simulated cascade: the stages after small@0 that are on (a stage at NO_TAU is
         skipped by the funnel, so it costs nothing there either)."""
-        later = {s: p for s, p in self.accept.items() if s != cr.SMALL0 and p > 0.0}
+        later = {s: p for s, p in self.accept.items() if s != cr.SMALL0}
         depths = [cr.stage_sort_key(s)[1] for s in later if s.startswith("small@")]
         return sc.CascadeSpec(
             depth=max(depths, default=0),
@@ -54,11 +54,8 @@ class StageMix:
             direct_prompt=direct_prompt,
         )
 
-    def key(self) -> tuple[float, ...]:
-        return (round(self.beta, 3), *(round(p, 3) for p in self.accept.values()))
-
-    def to_dict(self) -> dict[str, float | dict[str, float]]:
-        return {"beta": self.beta, "accept": dict(self.accept)}
+    def key(self) -> tuple:
+        return (round(self.beta, 3), *sorted((s, round(p, 3)) for s, p in self.accept.items()))
 
 
 def stage_mix(log: cr.CascadeLog, taus: np.ndarray, idx: np.ndarray) -> StageMix:
@@ -104,7 +101,7 @@ class DeploymentPrice:
         self.costs, self.judge, self.bench = costs, judge, bench
         self.concurrency, self.queries, self.seed = concurrency, queries, seed
         self.direct_prompt = direct_prompt
-        self._seen: dict[tuple[float, ...], float] = {}
+        self._seen: dict[tuple, float] = {}
 
     @classmethod
     def from_options(
