@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from speceyes.funnel import FunnelConfig
@@ -208,3 +209,24 @@ def test_load_benchmark_busy_processes_burn_a_core_until_killed():
         hog.kill()
         hog.wait()
     assert hog.returncode is not None
+
+
+def test_cascade_miniworld_logs_every_stage_with_its_direct_prompt(tmp_path, monkeypatch):
+    """One val scene through the bundled models: the pooled run folder logs every stage of every
+    query and records the middle tier's prompt, which its thresholds belong to, in the form the
+    cascade's calibration and replay read."""
+    from speceyes.bench import cascade_replay as cr
+    from speceyes.bench.runlog import load_run
+
+    bench = _load(BENCHMARKS / "cascade_miniworld.py")
+    out = tmp_path / "cmw"
+    monkeypatch.setattr(sys, "argv", ["cascade_miniworld.py", "--split", "val", "--scenes", "1",
+                                      "--pooled", "--direct-prompt", "agent-prefix",
+                                      "--out", str(out)])
+    bench.main()
+    run_dir = out / bench.POOLED
+    run = load_run(run_dir)
+    assert run.config["direct_prompt"] == "agent-prefix" and run.n == 8
+    log = cr.cascade_log(run)
+    assert log.stages == ("small@0", "small@1", "large_direct")
+    assert not np.isnan(log.conf[:, 2]).any()  # the middle tier answered every query
