@@ -123,6 +123,12 @@ PREFIX_JUDGE_TEXT = prompts.JUDGE_SYSTEM + prompts.JUDGE_SUFFIX.lstrip("\n")
 EARLY_AGENT_MAX_SHARE = 0.5
 
 
+def early_share_allows(share: float | None) -> bool:
+    """early_agent's share rule: ``share``, the share of queries answered early (None before
+    any settled), is under ``EARLY_AGENT_MAX_SHARE``."""
+    return share is None or share < EARLY_AGENT_MAX_SHARE
+
+
 @dataclass
 class FunnelConfig:
     mode: Mode = "speceyes"
@@ -980,7 +986,7 @@ class Funnel:
             with self._stats_lock:
                 settled, early = self._settled
             share = early / settled if settled else None
-        if share is not None and share >= EARLY_AGENT_MAX_SHARE:
+        if not early_share_allows(share):
             return False
         batch.raced = frozenset(batch.live)
         for i in batch.raced:
@@ -1184,12 +1190,8 @@ def _add_time(result: Result, key: str, seconds: float) -> None:
     result.timings[key] = result.timings.get(key, 0.0) + seconds
 
 
-def _user_turn(text: str) -> dict:
-    return {"role": "user", "content": [prompts.text_part(text)]}
-
-
 def _judge_turn() -> dict:
-    return _user_turn(PREFIX_JUDGE_TEXT)
+    return prompts.user_turn(PREFIX_JUDGE_TEXT)
 
 
 def _judge_view(image: Any, backend: Backend, max_pixels: int) -> Any:

@@ -128,10 +128,15 @@ def deepeyes_messages(image, question: str, options: Sequence[str] | None = None
     ]
 
 
+def user_turn(text: str) -> dict:
+    """A text-only user turn (one more question after a conversation's first turn)."""
+    return {"role": "user", "content": [text_part(text)]}
+
+
 def direct_turn() -> dict:
     """The middle tier's question as one more user turn after the agent's first-turn messages
     (``--direct-prompt agent-prefix``)."""
-    return {"role": "user", "content": [text_part(DIRECT_TURN_TEXT)]}
+    return user_turn(DIRECT_TURN_TEXT)
 
 
 def deepeyes_tool_response(crop) -> dict:

@@ -391,7 +391,7 @@ def calibrate_cascade(
     calibrates on its calib part and replays the chosen thresholds on its test part.
 
     ``price(log)`` prices the certified vectors instead of the run's replayed seconds (for
-    example a simulated deployment: :class:`speceyes.simulate.cascade_price.SimulatedPrice`);
+    example a simulated deployment: :class:`speceyes.simulate.cascade_price.DeploymentPrice`);
     ``price_info`` describes it in the file. Either way the kept vector is one the test
     certified, so the guarantee is the same."""
     calib_run, test_run = run, None
@@ -455,6 +455,7 @@ def calibrate_cascade(
         held_out=None if held_out is None else _held_out_summary(held_out),
         speedup_model=in_sample.speedup_model,
     )
+    kept = cr.tau_matrix(log.stages, choice.taus)
     depths = [cr.stage_sort_key(s)[1] for s in log.stages if s.startswith("small@")]
     details: dict[str, Any] = {
         "guarantee": ("per category, every category at once" if per_category else "overall"),
@@ -469,10 +470,7 @@ def calibrate_cascade(
         "cost": choice.cost,
         "price": dict(price_info or {"by": "the calibration run's replayed seconds"}),
         # what the kept vector does, in the simulator's terms (simulate --cascade --mix-from)
-        "mix": cr.stage_mix(
-            log, cr.tau_matrix(log.stages, choice.taus)[0],
-            cr.accepted_stage(log, cr.tau_matrix(log.stages, choice.taus))[:, 0],
-        ),
+        "mix": cr.stage_mix(log, kept[0], cr.accepted_stage(log, kept)[:, 0]),
         "errors": choice.errors,
         "stage_results": choice.stage_results,
         "in_sample": asdict(in_sample),

@@ -284,7 +284,10 @@ def stage_b(cfg: TrainConfig, role_dir: Path, size: ModelSize) -> dict:
         # of error in its digits (trained at the minimum, a third of its boxes fell just under)
         TRAINED_MIN_BOX_PX if cfg.boxes else 0,
     )
-    pairs = [p for r in train for p in examples_for(r, cfg.role, cfg.boxes, cfg.deepeyes, cfg.direct_turns)]
+    pairs = [
+        p for r in train
+        for p in examples_for(r, cfg.role, cfg.boxes, cfg.deepeyes, cfg.direct_turns)
+    ]
     if cfg.pack > 1:
         pairs = pack_examples(pairs, cfg.pack, random.Random(cfg.seed))
     log_event(

@@ -451,12 +451,11 @@ def examples_for(
         return out
     judge = "yes" if row["target_size"] == "small" else "no"
     out.append((prompts.judge_messages(row["view"], q, opts), judge, [row["objs"]]))
+    msgs = prompts.deepeyes_messages(row["view"], q, opts)
     if direct:
-        turn = [*prompts.deepeyes_messages(row["view"], q, opts), prompts.direct_turn()]
-        out.append((turn, ans, [row["objs"]]))
+        out.append(([*msgs, prompts.direct_turn()], ans, [row["objs"]]))
     if not deepeyes:
         return out
-    msgs = prompts.deepeyes_messages(row["view"], q, opts)
     if row.get("crop") is not None:
         call = (
             "<tool_call>\n"

@@ -161,6 +161,8 @@ class DeploymentPrice:
 
     def report(self, mix_block: Any) -> dict[str, float]:
         """The kept vector's simulated throughput beside agent-only's (same draws)."""
+        # simulated again, not read from the price cache: the cache keys mixes by rounded rates,
+        # and the recorded figure is the exact mix's, which simulate --mix-from reproduces
         thr, base = self.throughput(mix_from_file(mix_block)), self.agent_only_throughput()
         return {"queries_per_s": thr, "agent_only_queries_per_s": base, "x_agent_only": thr / base}
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from speceyes.funnel import EARLY_AGENT_MAX_SHARE, JUDGES  # the funnel's variants and rule
+from speceyes.funnel import JUDGES, early_share_allows  # the funnel's variants and rule
 from speceyes.operating_points import AGENT_POINT, AUTO, OperatingPoint
 from speceyes.simulate.auto import choose_point
 from speceyes.simulate.costs import (
@@ -460,7 +460,7 @@ class _Run:
         if (
             self.early_agent
             and self.next_q - self.done <= self.early_agent
-            and not (settled and early / settled >= EARLY_AGENT_MAX_SHARE)
+            and early_share_allows(early / settled if settled else None)
         ):
             for q in batch:
                 self.raced[q] = True
