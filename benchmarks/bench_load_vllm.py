@@ -108,12 +108,22 @@ SMALL_ROUTE = "small"  # the route of an answer the small model gave (gate accep
 CLIENT_TIMEOUT_S = 900.0
 # per mode and round, whatever C: a round must outlast this machine's jitter. At 32 a round at
 # C = 1 or 4 lasted 2.5-5 s, and one mode's rounds spread by 0.93-1.03 of another's with both
-# running the same point and the same model calls (runs 31-34, and two probes at one client)
-MIN_REQUESTS = 64
-# auto's untimed requests at a new load, in rounds: its first trial of each point (a turnover
-# of the queue, then PointChooser.TRIAL_QUERIES counted, half of them from the agent) takes up
-# to a round at C = 16 and 64 (with two rounds, run 27 timed part of agent-only's first trial)
-SETTLE_ROUNDS = 4
+# running the same point and the same model calls (runs 31-34, and two probes at one client);
+# at 64 (10-15 s) auto's rounds against the best static mode's still spread by 0.93-1.01 at
+# one client (run 44), where the modes are 4% apart
+MIN_REQUESTS = 128
+# auto's untimed requests at a new load, in trials of max(4C, 64) requests each: a trial (a
+# turnover of the queue, then PointChooser.TRIAL_QUERIES counted, half of them from the agent)
+# takes up to that many at C = 16 and 64 (run 27 timed part of agent-only's first trial with
+# half of it), and a new load has up to seven: the first of each of four points and a second
+# of the three that can be close to the quickest (PointChooser._second_trial)
+SETTLE_TRIALS = 7
+SETTLE_TRIAL_REQUESTS = 64
+
+
+def settle_requests(c: int) -> int:
+    """auto's default untimed requests at ``c`` clients (``--settle -1``)."""
+    return SETTLE_TRIALS * max(4 * c, SETTLE_TRIAL_REQUESTS)
 
 
 @dataclass
@@ -542,9 +552,9 @@ def main() -> int:
         default=-1,
         help="untimed requests that speceyes/auto serves at each C before that C's rounds, so "
         "that its one-time trials at a load new to it fall outside the timed part (its later "
-        "re-runs stay inside); the static modes keep no state to settle (default: four rounds' "
-        "requests, what its first trial of each of four points takes; 0: none, the cold "
-        "figure)",
+        "re-runs stay inside); the static modes keep no state to settle (default: "
+        f"{SETTLE_TRIALS} x max(4C, {SETTLE_TRIAL_REQUESTS}), what its first trial of each of "
+        "four points and a second of three take; 0: none, the cold figure)",
     )
     ap.add_argument(
         "--scenes", type=int, default=8,
@@ -679,7 +689,7 @@ def main() -> int:
             groups["app"] = [os.getpid()]
             for c in cs:
                 n = args.requests or max(4 * c, MIN_REQUESTS)
-                settle = SETTLE_ROUNDS * n if args.settle < 0 else args.settle
+                settle = settle_requests(c) if args.settle < 0 else args.settle
                 for m in modes:
                     if settle and m.judge == AUTO:  # untimed: the trials of a load new to it
                         asyncio.run(closed_loop(urls[m.label], bodies, queries, 0, settle, c))

@@ -316,8 +316,9 @@ class PointChooser:
     load) and starting from the point's calibrated rate, worth ``PRIOR_QUERIES`` queries. The
     expected time is ``s * early + (1 - s) * agent``.
 
-    Each point runs a trial first in each load band it meets (see below); then the rule takes the point
-    with the least expected time, except that it keeps the point it chose last in the band
+    Each point runs a trial first in each load band it meets (see below), and those within the
+    hold margin of the quickest a second one, in reverse order (:meth:`_second_trial`); then
+    the rule takes the point with the least expected time, except that it keeps the point it chose last in the band
     unless another's time is ``HOLD_MARGIN`` less: points within that margin serve about the
     same, one run's times do not separate them (paired rounds of the load benchmark spread by
     about as much), and each switch mixes two points in the engine's queue. Nor does it switch
@@ -397,6 +398,8 @@ class PointChooser:
         self._early = {p.name: 0 for p in self.points}  # queries answered without the agent
         self._seen = {p.name: 0 for p in self.points}  # queries answered
         self._tried: set[tuple[str, int]] = set()  # (point, band) pairs given a batch
+        self._second: set[tuple[str, int]] = set()  # (point, band) pairs given a second trial
+        self._second_done: set[int] = set()  # bands whose second trials have all run
         # Re-runs are paced in each band's own batches: counted over every band, a band a load
         # visits rarely (two in flight now and then at one client) finds its points stale on
         # each visit, and a load that moves to a band after hours in another re-ran every point
@@ -442,6 +445,10 @@ class PointChooser:
                 picked, why = current.point, "trial"
             elif untried:
                 picked, why, trial = untried[0], "first in band", True
+            elif (second := self._second_trial(measured, times, band)) is not None:
+                picked, why, trial = second, "second in band", True
+                for early in (True, False):  # measured afresh (see _second_trial)
+                    self._time.pop((picked.name, band, early), None)
             elif stale:
                 picked, why, trial = min(stale, key=lambda p: last[p.name]), "re-run", True
                 key = (picked.name, band)
@@ -487,6 +494,32 @@ class PointChooser:
             log.debug("hold %g, batch %d, %d in flight (band %d): %s (%s); %s",
                       self.hold_margin, self._total, in_flight, band, picked.name, why, shown)
         return picked
+
+    def _second_trial(
+        self, measured: Sequence[OperatingPoint], times: dict[str, float | None], band: int
+    ) -> OperatingPoint | None:
+        """After each point's first trial in a band, the points whose times are within the
+        hold margin of the quickest are measured afresh, one trial each in the reverse order
+        of the first (the next one, or None once each has). The first trials are the least
+        comparable times the band gets: the first of them counts every query from the band's
+        start, which ran in the queue the previous load left, and the load keeps settling
+        while they run. The point the rule then holds, which the margin protects for the
+        rest of the run, should not be the winner of that moment (on the real engine at four
+        clients the published judge's point, tried first, looked 7% slower than `none` and
+        served 7% more queries, and the margin held `none` for the whole run). Without a
+        margin, or with one point clearly quickest, there is no second pass. Called under the
+        lock."""
+        if not self.hold_margin or band in self._second_done:
+            return None
+        best = min((times[p.name] or 0.0) for p in measured)
+        close = [p for p in measured if (times[p.name] or 0.0) * (1.0 - self.hold_margin) <= best]
+        if len(close) > 1:
+            for p in reversed(self.points):
+                if p in close and (p.name, band) not in self._second:
+                    self._second.add((p.name, band))
+                    return p
+        self._second_done.add(band)  # a pass, once: later changes are the re-runs' to see
+        return None
 
     def _rerun_waits(
         self, measured: Sequence[OperatingPoint], times: dict[str, float | None], band: int
