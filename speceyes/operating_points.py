@@ -279,11 +279,14 @@ class _Stretch:
     """Consecutive batches of one point in one load band, from ``start`` (clock seconds) to
     ``end`` (None while it runs). Queries that arrived within ``turnover`` seconds of its start
     shared the engines with the queries of the point before it, and one that settled after its
-    end with those of the point after: neither measures this point."""
+    end with those of the point after: neither measures this point. A band's first stretch has
+    no time to turn over by (``turnover`` None): its queries ran in the queue the previous load
+    left, and it counts none until its first query from the agent loop has settled, which
+    sets its turnover."""
 
     point: OperatingPoint
     start: float
-    turnover: float
+    turnover: float | None
     trial: bool  # a trial: it runs until it has measured the point (see PointChooser)
     end: float | None = None
     batches: int = 0
@@ -291,6 +294,8 @@ class _Stretch:
     counted_agent: int = 0  # and answered by it
 
     def measures(self, arrived: float, now: float) -> bool:
+        if self.turnover is None:
+            return False
         settled_within = self.end is None or now <= self.end
         return settled_within and (not self.turnover or arrived >= self.start + self.turnover)
 
@@ -354,8 +359,9 @@ class PointChooser:
     published judge's batches, whose full-image prefills slowed its agent loops, looked 20%
     slower than the judge's point, and served 9% more when it ran alone). So each point runs in
     stretches of consecutive batches, and only the queries that arrived after a stretch's queue
-    had turned over (one expected time in the funnel of the point before it) and settled before
-    the stretch ended count for its time. A trial (a point's first stretch in a band, a re-run,
+    had turned over (one expected time in the funnel of the point before it; for a band's first
+    stretch, which has no such time, until its first query from the agent loop is back) and
+    settled before the stretch ended count for its time. A trial (a point's first stretch in a band, a re-run,
     a fresh measure) lasts until ``TRIAL_QUERIES`` of its queries have counted (half on each
     route: the early answers come back first, and would time the point by its quick route), or
     ``TRIAL_MAX_BATCHES`` batches; the re-runs' waits are
@@ -482,10 +488,11 @@ class PointChooser:
             if current is None or current.point is not picked:
                 if current is not None:
                     current.end = now
-                # one in flight there is no queue to turn over
-                turnover = self.HEAD_TURNOVERS * (
-                    t_held or min((t for t in times.values() if t), default=0.0)
-                ) if band > 0 else 0.0
+                # one in flight there is no queue to turn over; the band's first stretch
+                # learns its turnover from its first agent query (see _Stretch)
+                known = t_held or min((t for t in times.values() if t), default=None)
+                turnover = (0.0 if band == 0 or not self.HEAD_TURNOVERS
+                            else None if known is None else self.HEAD_TURNOVERS * known)
                 current = _Stretch(picked, now, turnover, trial)
                 runs.append(current)
             current.batches += 1
@@ -549,6 +556,9 @@ class PointChooser:
         with self._lock:
             now = self._clock()
             run = self._stretch_of(point.name, band)
+            if run is not None and run.turnover is None and (not early or point.skipped >= 1.0):
+                # a band's first stretch: its queue has turned over once an agent query is back
+                run.turnover = self.HEAD_TURNOVERS * (now - run.start)
             counted = run is None or run.measures(now - seconds, now)
             self._serial_last = None
             if counted:

@@ -123,8 +123,9 @@ def test_a_route_not_yet_seen_takes_the_bands_time_on_it():
     assert chooser.choose(1) == b  # 0.45 s early beats 0.5, at the same agent time
 
 
-def test_a_batch_still_under_way_does_not_stall_the_choice():
+def test_a_batch_still_under_way_does_not_stall_the_choice(monkeypatch):
     """Before any query has finished, the chooser keeps to the point it is trying."""
+    monkeypatch.setattr(PointChooser, "HEAD_TURNOVERS", 0.0)  # every query counts
     large, none = (OperatingPoint(**p) for p in POINTS)
     chooser = PointChooser([large, none])
     assert [chooser.choose(16) for _ in range(4)] == [large] * 4
@@ -389,6 +390,30 @@ def test_under_load_a_point_is_timed_in_its_own_queue():
         assert picks[-2000:].count(AGENT_POINT) < 0.05 * 2000  # and rarely run again
 
 
+def test_a_bands_first_stretch_counts_once_its_queue_has_turned_over():
+    """The load rises to 64 clients: the first queries of the band's first stretch ran in the
+    lighter queue the old load left, and would time its point as quick as an empty server
+    (on the real engine the point tried first at 64 in flight timed at half the others' time
+    and was held for the whole run). They count from one turnover of the new queue on, which
+    the first query back from the agent loop measures."""
+    a = OperatingPoint("large", 0.9, beta=1.0, alpha=0.5)
+    clock = Clock()
+    chooser = PointChooser([a], clock=clock)
+    start = clock.now
+    assert chooser.choose(64) == a
+    clock.now = start + 0.5
+    chooser.observe(a, 64, 0.5, early=True)  # answered early while the queue fills: uncounted
+    clock.now = start + 2.5
+    chooser.observe(a, 64, 2.5, early=False)  # the first agent query back: the turnover, 2.5 s
+    assert chooser.seconds(a, load_level(64)) is None
+    clock.now = start + 12.5
+    chooser.observe(a, 64, 1.5, early=True)  # arrived at start + 11: counted
+    chooser.observe(a, 64, 8.0, early=False)  # arrived at start + 4.5: counted
+    chooser.observe(a, 64, 12.0, early=False)  # arrived at start + 0.5, in the old queue
+    s = chooser.skipped(a)
+    assert chooser.seconds(a, load_level(64)) == pytest.approx(s * 1.5 + (1 - s) * 8.0)
+
+
 def test_a_trial_ends_once_each_route_of_its_point_has_counted():
     """Early answers come back first: a trial that ended on them would time its point by its
     quick route. It runs until half of TRIAL_QUERIES have counted on each route the point has
@@ -399,11 +424,15 @@ def test_a_trial_ends_once_each_route_of_its_point_has_counted():
     chooser = PointChooser([a, agent], clock=clock)
     half = PointChooser.TRIAL_QUERIES // 2
     assert chooser.choose(16) == a
+    clock.now += 2.0  # the band's first agent query is back: its queue has turned over
+    chooser.observe(a, 16, 2.0, early=False)
+    assert chooser.seconds(a, load_level(16)) is None  # it ran in the old load's queue
+    clock.now += 1.0
     for _ in range(3 * half):
         chooser.observe(a, 16, 0.2, early=True)
     assert chooser.choose(16) == a  # still its trial: no agent-route query has counted
     for _ in range(half):
-        chooser.observe(a, 16, 2.0, early=False)
+        chooser.observe(a, 16, 0.5, early=False)
     assert chooser.choose(16) == agent  # measured: the next point's first trial
     clock.now += 10.0  # its queries arrived after a's queue had turned over
     for _ in range(half):
@@ -501,11 +530,14 @@ def test_each_batch_runs_at_its_point_with_its_judge_and_tau(models, mw_queries)
     assert "op" not in _card({**records[0], "trace": []}, None, None)
 
 
-def test_a_servers_queue_counts_in_the_load_and_in_each_querys_time(models, mw_queries):  # noqa: F811
+def test_a_servers_queue_counts_in_the_load_and_in_each_querys_time(
+    models, mw_queries, monkeypatch  # noqa: F811
+):
     """A slow front keeps the next batch's queries waiting in the server's queue: that wait is
     time in the system (Little's law), and the queue is load, whatever point made it."""
     from dataclasses import replace
 
+    monkeypatch.setattr(PointChooser, "HEAD_TURNOVERS", 0.0)  # one batch: every query counts
     small, large, agent = models
     f = Funnel(small, large, agent, FunnelConfig(judge="auto", points=POINTS[:1], batch_size=2))
     f.waiting = lambda: 10  # ten more queries wait in a server's queue
