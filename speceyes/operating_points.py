@@ -323,8 +323,8 @@ class PointChooser:
 
     Each point runs a trial first in each load band it meets (see below), and those within the
     hold margin of the quickest a second one, in reverse order (:meth:`_second_trial`); then
-    the rule takes the point with the least expected time, except that it keeps the point it chose last in the band
-    unless another's time is ``HOLD_MARGIN`` less: points within that margin serve about the
+    the rule takes the point with the least expected time, except that it keeps the point it
+    chose last in the band unless another's time is ``HOLD_MARGIN`` less: points within that margin serve about the
     same, one run's times do not separate them (paired rounds of the load benchmark spread by
     about as much), and each switch mixes two points in the engine's queue. Nor does it switch
     on times of two moments: while the held point runs, the queue it shares with the others
@@ -361,10 +361,10 @@ class PointChooser:
     stretches of consecutive batches, and only the queries that arrived after a stretch's queue
     had turned over (one expected time in the funnel of the point before it; for a band's first
     stretch, which has no such time, until its first query from the agent loop is back) and
-    settled before the stretch ended count for its time. A trial (a point's first stretch in a band, a re-run,
-    a fresh measure) lasts until ``TRIAL_QUERIES`` of its queries have counted (half on each
-    route: the early answers come back first, and would time the point by its quick route), or
-    ``TRIAL_MAX_BATCHES`` batches; the re-runs' waits are
+    settled before the stretch ended count for its time. A trial (a point's first stretch in a
+    band, a second one, a re-run, a fresh measure) lasts until ``TRIAL_QUERIES`` of its queries
+    have counted (half on each route: the early answers come back first, and would time the
+    point by its quick route), or ``TRIAL_MAX_BATCHES`` batches; the re-runs' waits are
     counted in trials (a trial's batches times the wait in batches). With one query in flight
     there is no queue to turn over, but a trial still runs ``TRIAL_QUERIES`` queries: one query
     is one question, and one question's time says little of a point (on the real engine a
@@ -516,7 +516,7 @@ class PointChooser:
         served 7% more queries, and the margin held `none` for the whole run). Without a
         margin, or with one point clearly quickest, there is no second pass. Called under the
         lock."""
-        if not self.hold_margin or band in self._second_done:
+        if not self.hold_margin or band in self._second_done or not measured:
             return None
         best = min((times[p.name] or 0.0) for p in measured)
         close = [p for p in measured if (times[p.name] or 0.0) * (1.0 - self.hold_margin) <= best]
