@@ -359,8 +359,9 @@ class PointChooser:
     published judge's batches, whose full-image prefills slowed its agent loops, looked 20%
     slower than the judge's point, and served 9% more when it ran alone). So each point runs in
     stretches of consecutive batches, and only the queries that arrived after a stretch's queue
-    had turned over (one expected time in the funnel of the point before it; for a band's first
-    stretch, which has no such time, until its first query from the agent loop is back) and
+    had turned over (one time on the agent route of the point before it, whose loops are the
+    last of its queries to leave; for a band's first stretch, which has no such time, until its
+    first query from the agent loop is back) and
     settled before the stretch ended count for its time. A trial (a point's first stretch in a
     band, a second one, a re-run, a fresh measure) lasts until ``TRIAL_QUERIES`` of its queries
     have counted (half on each route: the early answers come back first, and would time the
@@ -489,8 +490,15 @@ class PointChooser:
                 if current is not None:
                     current.end = now
                 # one in flight there is no queue to turn over; the band's first stretch
-                # learns its turnover from its first agent query (see _Stretch)
-                known = t_held or min((t for t in times.values() if t), default=None)
+                # learns its turnover from its first agent query (see _Stretch). Otherwise the
+                # last point's queries have left once its slowest, the agent loops, are back:
+                # its mean time, mostly quick early answers for a judged point, is too short
+                # (run 46 at 64 clients: `none`, tried after the prefix judge's point, timed
+                # 5.6 s a query in that point's queue, more than its static cells' clients
+                # waited from one request to the next, 5.45 s)
+                last_agent = (self._route_time(current.point.name, band, early=False)
+                              if current is not None else None)
+                known = last_agent or t_held or min((t for t in times.values() if t), default=None)
                 turnover = (0.0 if band == 0 or not self.HEAD_TURNOVERS
                             else None if known is None else self.HEAD_TURNOVERS * known)
                 current = _Stretch(picked, now, turnover, trial)

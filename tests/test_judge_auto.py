@@ -414,6 +414,35 @@ def test_a_bands_first_stretch_counts_once_its_queue_has_turned_over():
     assert chooser.seconds(a, load_level(64)) == pytest.approx(s * 1.5 + (1 - s) * 8.0)
 
 
+def test_a_stretch_counts_once_the_last_points_agent_loops_are_back():
+    """The point before leaves its agent loops in the queue, the slowest of its queries: a new
+    stretch counts from one agent-route time of that point on, not from its mean time, which
+    its quick early answers shorten."""
+    a = OperatingPoint("large", 0.9, beta=1.0, alpha=0.5)
+    b = OperatingPoint("none", 0.9, beta=1.0, alpha=0.5)
+    clock = Clock()
+    chooser = PointChooser([a, b], clock=clock)
+    band, half = load_level(64), PointChooser.TRIAL_QUERIES // 2
+    t0 = clock.now
+    assert chooser.choose(64) == a
+    clock.now = t0 + 9.0
+    chooser.observe(a, 64, 9.0, early=False)  # the band's turnover
+    clock.now = t0 + 30.0
+    for early, seconds in ((True, 1.0), (False, 9.0)):
+        for _ in range(half):
+            chooser.observe(a, 64, seconds, early=early)
+    assert chooser.seconds(a, band) < 6.0  # its mean: half of its queries take 1 s
+    assert chooser.choose(64) == b
+    start = clock.now
+    clock.now = start + 7.0
+    chooser.observe(b, 64, 1.0, early=True)  # arrived 6 s in: a's loops still run
+    assert chooser.seconds(b, band) is None
+    clock.now = start + 11.0
+    chooser.observe(b, 64, 1.0, early=True)  # arrived 10 s in: counted
+    s = chooser.skipped(b)
+    assert chooser.seconds(b, band) == pytest.approx(s * 1.0 + (1 - s) * 9.0)
+
+
 def test_a_trial_ends_once_each_route_of_its_point_has_counted():
     """Early answers come back first: a trial that ended on them would time its point by its
     quick route. It runs until half of TRIAL_QUERIES have counted on each route the point has
