@@ -454,8 +454,6 @@ class PointChooser:
                 picked, why, trial = untried[0], "first in band", True
             elif (second := self._second_trial(measured, times, band)) is not None:
                 picked, why, trial = second, "second in band", True
-                for early in (True, False):  # measured afresh (see _second_trial)
-                    self._time.pop((picked.name, band, early), None)
             elif stale:
                 picked, why, trial = min(stale, key=lambda p: last[p.name]), "re-run", True
                 key = (picked.name, band)
@@ -514,16 +512,14 @@ class PointChooser:
         self, measured: Sequence[OperatingPoint], times: dict[str, float | None], band: int
     ) -> OperatingPoint | None:
         """After each point's first trial in a band, the points whose times are within the
-        hold margin of the quickest are measured afresh, one trial each in the reverse order
-        of the first (the next one, or None once each has). The first trials are the least
-        comparable times the band gets: the first of them counts every query from the band's
-        start, which ran in the queue the previous load left, and the load keeps settling
-        while they run. The point the rule then holds, which the margin protects for the
-        rest of the run, should not be the winner of that moment (on the real engine at four
-        clients the published judge's point, tried first, looked 7% slower than `none` and
-        served 7% more queries, and the margin held `none` for the whole run). Without a
-        margin, or with one point clearly quickest, there is no second pass. Called under the
-        lock."""
+        hold margin of the quickest run one more trial each, in the reverse order of the
+        first (the next one, or None once each has); its queries join the first trial's.
+        The point the rule first holds keeps the margin's protection for the rest of the run,
+        and one trial of 16 queries times a point to within several percent on this machine,
+        about the gap between close points: two trials per contender halve the variance, and
+        in reverse order (A B, then B A) a load that drifts while they run weighs on each
+        alike. Without a margin, or with one point clearly quickest, there is no second pass.
+        Called under the lock."""
         if not self.hold_margin or band in self._second_done or not measured:
             return None
         best = min((times[p.name] or 0.0) for p in measured)
