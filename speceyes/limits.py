@@ -49,3 +49,4 @@ MAX_BODY_MB_IN_FLIGHT = 256.0
 # bound: about 12 MB).
 MAX_JSON_VALUES = 200_000
 DRAIN_TIMEOUT_S = 30.0  # seconds admitted requests get to be answered after SIGTERM or Ctrl-C
+FUNNEL_JOIN_S = 10.0  # then, the most the server waits for its funnel thread's last model call

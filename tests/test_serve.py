@@ -432,11 +432,12 @@ def test_cli_serve_prints_url_answers_and_stops_on_ctrl_c(tiny_dirs):
             r = c.chat.completions.create(model="speceyes", messages=messages(scene_uri(0)))
         assert r.model_extra["speceyes"]["route"] == "small_only"
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=30) == 0
+        code = proc.wait(timeout=30)
         time.sleep(0.2)  # let the reader thread drain the last lines
         rest = []
         while not lines.empty():
             rest.append(lines.get())
+        assert code == 0, rest  # what the server printed on its way out says why
         assert any("shutting down" in x for x in rest), rest
     finally:
         if proc.poll() is None:

@@ -119,6 +119,7 @@ class ServerState:
     batcher: asyncio.Task[None] | None = None
     loop: asyncio.AbstractEventLoop | None = None
     _agent_wrap: _SkipAbandoned | None = None
+    _funnel_thread: threading.Thread | None = None
 
     @property
     def inflight(self) -> int:
@@ -141,7 +142,10 @@ class ServerState:
             self.funnel.waiting = lambda: self.admitted
         # A daemon thread, not an executor: a batch stuck in a model call must not keep the
         # process alive after SIGTERM (executor threads are joined at interpreter exit).
-        threading.Thread(target=self._funnel_main, name="speceyes-funnel", daemon=True).start()
+        self._funnel_thread = threading.Thread(
+            target=self._funnel_main, name="speceyes-funnel", daemon=True
+        )
+        self._funnel_thread.start()
 
     async def drain(self, timeout: float) -> bool:
         """Refuse new requests (503) and wait up to ``timeout`` s for the admitted ones."""
@@ -172,6 +176,11 @@ class ServerState:
             except asyncio.CancelledError:
                 pass
         self.handoff.put(None)  # the funnel thread ends after its current model call
+        if self._funnel_thread is not None:
+            # Wait for it, up to a bound: a daemon thread still inside a model call when the
+            # interpreter finalises can abort the process (SIGABRT) instead of a clean exit,
+            # while one stuck past the bound must not keep the server from stopping.
+            await asyncio.to_thread(self._funnel_thread.join, limits.FUNNEL_JOIN_S)
         if self.decoder is not None:
             self.decoder.shutdown(wait=False, cancel_futures=True)
         wrap = self._agent_wrap
