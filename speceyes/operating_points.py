@@ -324,9 +324,9 @@ class PointChooser:
     Each point runs a trial first in each load band it meets (see below), and those within the
     hold margin of the quickest a second one, in reverse order (:meth:`_second_trial`); then
     the rule takes the point with the least expected time, except that it keeps the point it
-    chose last in the band unless another's time is ``HOLD_MARGIN`` less: points within that margin serve about the
-    same, one run's times do not separate them (paired rounds of the load benchmark spread by
-    about as much), and each switch mixes two points in the engine's queue. Nor does it switch
+    chose last in the band unless another's time is ``HOLD_MARGIN`` less: points within that
+    margin serve about the same, one run's times do not separate them (paired rounds of the
+    load benchmark spread by about as much), and each switch mixes two points in the engine's queue. Nor does it switch
     on times of two moments: while the held point runs, the queue it shares with the others
     fills or drains and its time follows, while the others keep the time of their last batch
     (on the real engine the held point's time doubled as the queue filled at C=64, the others'
@@ -361,8 +361,8 @@ class PointChooser:
     stretches of consecutive batches, and only the queries that arrived after a stretch's queue
     had turned over (one time on the agent route of the point before it, whose loops are the
     last of its queries to leave; for a band's first stretch, which has no such time, until its
-    first query from the agent loop is back) and
-    settled before the stretch ended count for its time. A trial (a point's first stretch in a
+    first query from the agent loop is back) and settled before the stretch ended count for its
+    time. A trial (a point's first stretch in a
     band, a second one, a re-run, a fresh measure) lasts until ``TRIAL_QUERIES`` of its queries
     have counted (half on each route: the early answers come back first, and would time the
     point by its quick route), or ``TRIAL_MAX_BATCHES`` batches; the re-runs' waits are
