@@ -3,9 +3,11 @@
 Starts two vLLM OpenAI servers on 127.0.0.1 (free ports), one per bundled mini-world model
 (``speceyes/miniworld/models/{small,large}``), with the settings of ``tests/vllm_support.py``
 (CPU build: eager, 1 GiB KV cache, prefix caching, 64 logprobs, float32). Each mode gets its own
-in-process ``speceyes serve`` app (pipelined schedule, the manifest's search agent, tau and batch
-size; the clients see the checkpoints' own 224x224 view, as transformers does). Closed-loop
-clients at concurrency C send the same mini-world test questions to every mode:
+``speceyes serve`` app (pipelined schedule, the manifest's search agent, tau and batch size; the
+clients see the checkpoints' own 224x224 view, as transformers does), by default in a process of
+its own, as a server is deployed (``--apps process``; ``thread``: every app in this process,
+beside the clients). Closed-loop clients at concurrency C send the same mini-world test
+questions to every mode:
 
 - ``agent-only``: every query through the large model's search loop;
 - ``speceyes/<judge>``: the funnel with that judge variant (``large`` is the published one);
@@ -18,16 +20,23 @@ clients at concurrency C send the same mini-world test questions to every mode:
 
 Modes are interleaved in time: for each C, ``--rounds`` rounds, and in each round every mode
 serves one batch of requests in turn (the order rotates by round), so load from other processes
-on the machine falls on all modes alike. Per mode and C it prints throughput (queries/s over
-that mode's batches), client-side p50/p95 latency, accuracy, the share answered by the small
-model, and throughput and p50 against agent-only at the same C. Writes OUT/results.json,
+on the machine falls on all modes alike. A round is timed in steady state (:func:`closed_loop`):
+from the C-th answer to the ``--requests``-th after it, every client sending all the while; the
+requests in flight then are answered untimed. Per mode and C it prints throughput (timed
+answers per second of those windows), client-side p50/p95 latency of the timed answers,
+accuracy over each round's first ``--requests`` requests (the same ones for every mode), the
+share of those the small model answered, and throughput and p50 against agent-only at the same
+C; and per query the CPU each
+process used and the time a request spent outside its server's own clock (the client's latency
+less the server's ``total``: the HTTP round trip and the wait for an interpreter to read the
+request and the response, which a funnel timing its queries cannot see). Writes OUT/results.json,
 OUT/table.md and, with ``--points``, OUT/auto-decisions.log (each of auto's choices, why, and
 the times it compared). The vLLM servers are always stopped (their process groups), also on Ctrl-C,
 SIGTERM or SIGHUP.
 
     python benchmarks/bench_load_vllm.py [--concurrency 1,4,16] [--with-64] [--rounds 3]
         [--requests 0] [--settle -1] [--scenes 8] [--judges large,prefix,none] [--points FILE]
-        [--placement split] [--executor uni] [--equal-hardware] [--busy 0]
+        [--placement split] [--executor uni] [--apps process] [--equal-hardware] [--busy 0]
         [--out runs/bench-load-vllm]
 
 Placement (``--placement``). ``split`` (default) binds each server's engine threads to cores of
@@ -50,6 +59,13 @@ after a small-model request. ``mp`` is vLLM's CPU default. With
 ``--equal-hardware`` a third server runs the large model on every core, and the mode
 ``agent-only/all`` sends agent-only's queries to it: agent-only on the hardware both of
 SpecEyes' servers hold.
+
+Apps (``--apps``). With every app and the clients in one interpreter (``thread``), that
+interpreter was near a core at 11 queries/s (74-81 ms of CPU per query), and a request's wait
+for it fell outside the funnel's clock, by more for a point whose queries cost it more: run 47's
+auto timed the published judge's point 1.3 s a query under the cycle its clients saw at 64 of
+them. A server's own process (``process``, default) shares its interpreter with no load
+generator; ``thread`` is the earlier layout.
 
 With ``--busy N``, N CPU-bound processes (bound to no core) run through the timed rounds: the
 load of another job on the machine, which the interleaved rounds should spread over every mode
@@ -105,6 +121,8 @@ from tests.vllm_support import (  # noqa: E402
 AGENT_ONLY = "agent-only"
 AGENT_ONLY_ALL = "agent-only/all"  # --equal-hardware: agent-only on a server that has every core
 SMALL_ROUTE = "small"  # the route of an answer the small model gave (gate accepted)
+APP_LAYOUTS = ("process", "thread")  # --apps: each mode's app in a process of its own, or here
+APP_START_S = 180.0  # an app process's start-up: imports, the funnel's tokenizers
 CLIENT_TIMEOUT_S = 900.0
 # per mode and round, whatever C: a round must outlast this machine's jitter. At 32 a round at
 # C = 1 or 4 lasted 2.5-5 s, and one mode's rounds spread by 0.93-1.03 of another's with both
@@ -143,33 +161,57 @@ class Sample:
     route: str
     point: str | None = None  # speceyes/auto: the operating point that answered
     band: int | None = None  # speceyes/auto: the load band its point was chosen in
+    server_s: float | None = None  # the server's own time for it (its response's total)
+    timed: bool = True  # answered inside its round's steady window (see closed_loop)
+    scored: bool = True  # one of its round's first n requests, which every mode answers
+
+
+@dataclass
+class LoopRun:
+    """One closed loop's answers (:func:`closed_loop`) and its clocks."""
+
+    samples: list[Sample]
+    errors: int
+    window_s: float  # the steady window: from its opening answer to its n-th after it
+    wall_s: float  # from the first request to the last answer (the CPU counts cover this)
 
 
 @dataclass
 class Cell:
-    """One mode at one concurrency: every request of its batches, and their wall time."""
+    """One mode at one concurrency: every request of its rounds, and their clocks."""
 
     mode: str
     concurrency: int
     samples: list[Sample] = field(default_factory=list)
-    wall_s: float = 0.0
+    wall_s: float = 0.0  # the rounds' steady windows, which time the throughput
+    busy_wall_s: float = 0.0  # the rounds' whole time, over which the CPU was counted
     errors: int = 0
     round_qps: list[float] = field(default_factory=list)  # each round's queries/s, in order
     cpu_s: dict[str, float] = field(default_factory=dict)  # CPU seconds by process group
 
     def add_round(
-        self, got: list[Sample], errors: int, wall_s: float, cpu_s: dict[str, float] | None = None
+        self,
+        got: list[Sample],
+        errors: int,
+        window_s: float,
+        cpu_s: dict[str, float] | None = None,
+        wall_s: float | None = None,
     ) -> None:
         self.samples += got
         self.errors += errors
-        self.wall_s += wall_s
-        self.round_qps.append(len(got) / wall_s if wall_s > 0 else 0.0)
+        self.wall_s += window_s
+        self.busy_wall_s += window_s if wall_s is None else wall_s
+        timed = sum(s.timed for s in got)
+        self.round_qps.append(timed / window_s if window_s > 0 else 0.0)
         for group, seconds in (cpu_s or {}).items():
             self.cpu_s[group] = self.cpu_s.get(group, 0.0) + seconds
 
     def summary(self) -> dict[str, Any]:
-        lat = np.array([s.latency_s for s in self.samples]) if self.samples else np.zeros(0)
-        n = len(self.samples)
+        timed = [s for s in self.samples if s.timed]  # throughput, latency, the points run
+        scored = [s for s in self.samples if s.scored]  # accuracy: the same requests each mode
+        lat = np.array([s.latency_s for s in timed]) if timed else np.zeros(0)
+        n, n_scored, n_all = len(timed), len(scored), len(self.samples)
+        outside = [s.latency_s - s.server_s for s in timed if s.server_s is not None]
         return {
             "mode": self.mode,
             "concurrency": self.concurrency,
@@ -178,22 +220,38 @@ class Cell:
             "wall_s": round(self.wall_s, 3),
             "qps": n / self.wall_s if self.wall_s > 0 else None,
             "round_qps": [round(x, 4) for x in self.round_qps],
+            # Little's law for a closed loop without think time: C over the mean latency. At 64
+            # clients the agent loops (~10 s) start in waves, and a window of two or three waves
+            # counts answers by its phase; the mean latency of the same answers does not move
+            "little_qps": self.concurrency / float(np.mean(lat)) if n else None,
             "p50_s": float(np.percentile(lat, 50)) if n else None,
             "p95_s": float(np.percentile(lat, 95)) if n else None,
-            "accuracy": sum(s.correct for s in self.samples) / n if n else None,
-            "small_share": sum(s.route == SMALL_ROUTE for s in self.samples) / n if n else None,
-            # where the CPU went: ms per query by process (each server's tree; this process,
-            # which holds the apps and the clients), and the cores busy over the timed rounds
-            "cpu_ms_per_query": {g: round(1000 * v / n, 1) for g, v in self.cpu_s.items()}
-            if n else {},
-            "cores_busy": round(sum(self.cpu_s.values()) / self.wall_s, 2)
-            if self.cpu_s and self.wall_s > 0 else None,
-            "points": dict(Counter(s.point for s in self.samples if s.point is not None)),
+            "scored": n_scored,
+            "accuracy": sum(s.correct for s in scored) / n_scored if n_scored else None,
+            "small_share": sum(s.route == SMALL_ROUTE for s in scored) / n_scored
+            if n_scored else None,
+            # where the CPU went: ms per query by process (each server's tree, the apps, the
+            # clients), over every answer of the rounds, and the cores busy over the rounds
+            "cpu_ms_per_query": {g: round(1000 * v / n_all, 1) for g, v in self.cpu_s.items()}
+            if n_all else {},
+            "cores_busy": round(sum(self.cpu_s.values()) / self.busy_wall_s, 2)
+            if self.cpu_s and self.busy_wall_s > 0 else None,
+            # the mean time a request spent outside its server's clock (see the docstring)
+            "outside_server_ms": round(1000 * float(np.mean(outside)), 1) if outside else None,
+            # per route, the timed answers' mean latency at the client and at the server, which
+            # Little's law compares with the funnel's own times (the decisions log)
+            "mean_s_by_route": {
+                route: {"n": len(got), "client": round(float(np.mean([s.latency_s for s in got])), 4),
+                        "server": round(float(np.mean([s.server_s or 0.0 for s in got])), 4)}
+                for route in sorted({s.route for s in timed})
+                if (got := [s for s in timed if s.route == route])
+            },
+            "points": dict(Counter(s.point for s in timed if s.point is not None)),
             # auto: its points per load band (operating_points.load_level), to see where the
             # trials of a band new to it went
             "points_by_band": {
-                str(b): dict(Counter(s.point for s in self.samples if s.band == b))
-                for b in sorted({s.band for s in self.samples if s.band is not None})
+                str(b): dict(Counter(s.point for s in timed if s.band == b))
+                for b in sorted({s.band for s in timed if s.band is not None})
             },
         }
 
@@ -299,26 +357,56 @@ def settings_for(
 
 
 async def closed_loop(
-    url: str, bodies: list[dict], queries: list[Query], start: int, n: int, concurrency: int
-) -> tuple[list[Sample], int, float]:
-    """``n`` requests (queries ``start``, ``start+1``, ... cyclically) from ``concurrency``
-    clients, each sending its next request when its last one is answered."""
+    url: str,
+    bodies: list[dict],
+    queries: list[Query],
+    start: int,
+    n: int,
+    concurrency: int,
+    warm: int | None = None,
+) -> LoopRun:
+    """Closed-loop clients at ``concurrency``, each sending its next request (queries
+    ``start``, ``start+1``, ... cyclically) when its last one is answered, timed in steady
+    state: the window opens at the ``warm``-th answer (default ``concurrency``: the first
+    answers come from an empty queue, the quick ones first) and closes at the ``n``-th answer
+    after it, every client sending all the while; then no request goes out, and those in flight
+    are answered untimed, so the next mode starts on idle engines. The requests ``start`` ..
+    ``start + n - 1`` are always sent: they are the round's scored ones, the same for each mode.
+
+    A round timed from its first request to its last answer times its stragglers instead: at
+    64 clients with 4 requests each, the round lasts until the client whose requests needed the
+    agent most often is done, while the others have stopped; there it read 12% under the
+    throughput the same answers gave in steady state (`python benchmarks/bench_load_vllm.py
+    --concurrency 64 --rounds 2 --requests 256`), and by more for a mode whose latencies
+    spread more."""
     import aiohttp
 
-    next_i = 0
+    warm = concurrency if warm is None else warm
+    issued = answered = counted = errors = 0
     samples: list[Sample] = []
-    errors = 0
     timeout = aiohttp.ClientTimeout(total=CLIENT_TIMEOUT_S)
+    t_start = time.perf_counter()
+    t_open = t_start if warm == 0 else None
+    t_close: float | None = None
 
     async def client(session: aiohttp.ClientSession) -> None:
-        nonlocal next_i, errors
-        while next_i < n:
-            k = (start + next_i) % len(queries)
-            next_i += 1
+        nonlocal issued, answered, counted, errors, t_open, t_close
+        while t_close is None:
+            i = issued
+            issued += 1
+            k = (start + i) % len(queries)
             t0 = time.perf_counter()
             async with session.post(url + "/v1/chat/completions", json=bodies[k]) as r:
                 data = await r.json()
-            dt = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            answered += 1
+            timed = t_open is not None and t_close is None
+            if timed:  # an error counts too: it ends a request, and the window must close
+                counted += 1
+                if counted == n:
+                    t_close = t1
+            elif answered == warm:
+                t_open = t1
             if r.status != 200:
                 errors += 1
                 print(f"  request error {r.status}: {str(data)[:300]}", flush=True)
@@ -327,14 +415,16 @@ async def closed_loop(
             info = data.get("speceyes", {})
             correct = scoring.is_correct(queries[k], answer)
             samples.append(
-                Sample(dt, correct, info.get("route", ""), info.get("operating_point"),
-                       info.get("load_band"))
+                Sample(t1 - t0, correct, info.get("route", ""), info.get("operating_point"),
+                       info.get("load_band"), (info.get("timings") or {}).get("total"),
+                       timed=timed, scored=i < n)
             )  # fmt: skip
 
-    t0 = time.perf_counter()
     async with aiohttp.ClientSession(timeout=timeout) as session:
         await asyncio.gather(*(client(session) for _ in range(concurrency)))
-    return samples, errors, time.perf_counter() - t0
+    t_end = time.perf_counter()
+    assert t_open is not None and t_close is not None  # n answers came after the opening one
+    return LoopRun(samples, errors, t_close - t_open, t_end - t_start)
 
 
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -370,6 +460,81 @@ def cpu_seconds(pids: list[int]) -> float:
         if (fields := _stat_fields(p)) is not None:  # utime + stime, in clock ticks
             total += (int(fields[11]) + int(fields[12])) / _TICK
     return total
+
+
+def app_spec(
+    mode: Mode, small_url: str, large_url: str, points: Path | None, log: Path | None, url_file: Path
+) -> str:
+    """What an app process (``--serve-app``) needs to build its mode's funnel, as JSON."""
+    return json.dumps({
+        "mode": asdict(mode), "small": small_url, "large": large_url,
+        "points": None if points is None else str(points),
+        "log": None if log is None else str(log), "url_file": str(url_file),
+    })  # fmt: skip
+
+
+def log_decisions(path: Path) -> None:
+    """auto's every decision and the times it compared, appended to ``path`` (the benchmark's
+    process and each app process write to it, each record flushed at once)."""
+    handler = logging.FileHandler(path, mode="a")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+    chooser_log = logging.getLogger("speceyes.operating_points")
+    chooser_log.addHandler(handler)
+    chooser_log.setLevel(logging.DEBUG)
+
+
+def serve_app(spec: str) -> int:
+    """``--serve-app SPEC`` (:func:`app_spec`): one mode's app in this process until its stdin
+    closes; the benchmark holds the other end, so the app also ends when the benchmark does."""
+    from speceyes.serve import create_app
+    from tests.tools.server_thread import ServerThread
+
+    d = json.loads(spec)
+    if d["log"] is not None:
+        log_decisions(Path(d["log"]))
+    points = None if d["points"] is None else Path(d["points"])
+    funnel = build_funnel(settings_for(Mode(**d["mode"]), d["small"], d["large"], points))
+    srv = ServerThread(create_app(funnel, max_queue=1024, request_timeout=None)).start()
+    url_file = Path(d["url_file"])
+    url_file.with_suffix(".tmp").write_text(srv.url)
+    url_file.with_suffix(".tmp").replace(url_file)  # whole, or not yet there
+    sys.stdin.read()
+    srv.stop()
+    return 0
+
+
+class AppProcess:
+    """One mode's app in a process of its own (:func:`serve_app`), in a session of its own (a
+    Ctrl-C reaches the benchmark, which stops it); its output goes to ``log``."""
+
+    def __init__(self, spec: str, url_file: Path, log: Path) -> None:
+        self.url_file, self.log, self.url = url_file, log, ""
+        with log.open("wb") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, str(Path(__file__).resolve()), "--serve-app", spec],
+                stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
+
+    def wait_ready(self, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while not self.url_file.is_file():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                why = (f"exited with {self.proc.returncode}" if self.proc.returncode is not None
+                       else f"did not serve within {timeout:.0f} s")
+                raise RuntimeError(f"an app process {why}; its output: {self.log}")
+            time.sleep(0.2)
+        self.url = self.url_file.read_text().strip()
+        return self.url
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            self.proc.stdin.close()  # its cue to stop its app and exit
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 def start_servers(
@@ -445,10 +610,10 @@ def table(rows: list[dict[str, Any]]) -> str:
 
     base = {r["concurrency"]: r for r in rows if r["mode"] == AGENT_ONLY}
     out = [
-        "| C | mode | requests | queries/s | x agent-only (rounds) | p50 s | p95 s "
-        "| p50 / agent-only "
+        "| C | mode | requests | queries/s | x agent-only (rounds) | C / mean latency (x agent-only) "
+        "| p50 s | p95 s | p50 / agent-only "
         "| accuracy | small model answers | points (auto) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         b = base.get(r["concurrency"], {})
@@ -457,6 +622,8 @@ def table(rows: list[dict[str, Any]]) -> str:
             + (f" ({r['errors']} errors)" if r["errors"] else "")
             + f" | {f(r['qps'], '.2f')} | {f(ratio(r['qps'], b.get('qps')), '.2f')}"
             + (spread_text(round_ratios(r, b)) if r is not b else "")
+            + f" | {f(r.get('little_qps'), '.2f')}"
+            f" ({f(ratio(r.get('little_qps'), b.get('little_qps')), '.2f')})"
             + f" | {f(r['p50_s'], '.2f')} | {f(r['p95_s'], '.2f')}"
             f" | {f(ratio(r['p50_s'], b.get('p50_s')), '.2f')}"
             f" | {f(r['accuracy'], '.1%')} | {f(r['small_share'], '.0%')}"
@@ -470,16 +637,19 @@ def cpu_lines(rows: list[dict[str, Any]]) -> list[str]:
     if not any(r.get("cpu_ms_per_query") for r in rows):
         return []
     groups = list(dict.fromkeys(g for r in rows for g in r.get("cpu_ms_per_query") or {}))
-    out = ["", "CPU per query (ms) by process, and cores busy over the timed rounds:", "",
-           "| C | mode | " + " | ".join(groups) + " | total | cores busy |",
-           "|---|---|" + "---|" * (len(groups) + 2)]
+    out = ["", "CPU per query (ms) by process, cores busy over the timed rounds, and the mean time "
+           "a request spent outside its server's clock (ms):", "",
+           "| C | mode | " + " | ".join(groups) + " | total | cores busy | outside server |",
+           "|---|---|" + "---|" * (len(groups) + 3)]
     for r in rows:
         ms = r.get("cpu_ms_per_query") or {}
         if not ms:
             continue
+        outside = r.get("outside_server_ms")
         out.append(f"| {r['concurrency']} | {r['mode']} | "
                    + " | ".join(f"{ms.get(g, 0.0):.1f}" for g in groups)
-                   + f" | {sum(ms.values()):.1f} | {r.get('cores_busy') or 0:.2f} |")
+                   + f" | {sum(ms.values()):.1f} | {r.get('cores_busy') or 0:.2f}"
+                   + f" | {'-' if outside is None else f'{outside:.1f}'} |")
     return out
 
 
@@ -516,20 +686,29 @@ def auto_lines(rows: list[dict[str, Any]]) -> list[str]:
         others = [r for m, r in at.items() if not is_auto(m)]
         for label, auto in at.items():
             if is_auto(label) and others:
-                out.append(_auto_line(c, auto, max(others, key=lambda r: r["qps"])))
+                out.append(_auto_line(c, auto, max(others, key=lambda r: r["qps"]), others))
     return [""] + out if out else []
 
 
-def _auto_line(c: int, auto: dict[str, Any], best: dict[str, Any]) -> str:
+def _auto_line(
+    c: int, auto: dict[str, Any], best: dict[str, Any], others: list[dict[str, Any]]
+) -> str:
     bands = "; ".join(
         f"band {band}: {_points_text(pts)}"
         for band, pts in (auto.get("points_by_band") or {}).items()
     )
     per_round = round_ratios(auto, best)
+    little = [r.get("little_qps") for r in (auto, *others)]
+    by_little = ""
+    if all(little):
+        top = max(others, key=lambda r: r["little_qps"])
+        by_little = (f"; by C / mean latency {auto['little_qps'] / top['little_qps']:.3f} x the "
+                     f"best other mode ({top['mode']})")
     return (
         f"C={c}: {auto['mode'].removeprefix('speceyes/')} {auto['qps']:.2f} queries/s = {auto['qps'] / best['qps']:.3f} x the "
         f"best other mode ({best['mode']}, {best['qps']:.2f})"
         + (f", by round {', '.join(f'{x:.2f}' for x in per_round)}" if len(per_round) > 1 else "")
+        + by_little
         + (f"; points by load band: {bands}" if bands else "")
     )
 
@@ -543,8 +722,9 @@ def main() -> int:
         "--requests",
         type=int,
         default=0,
-        help=f"requests per mode per round (default: max(4C, {MIN_REQUESTS}); at C=1 a round of 8 "
-        "lasts a few seconds, and two rounds of one mode then differ by 20%%)",
+        help=f"timed answers per mode per round (default: max(4C, {MIN_REQUESTS}); at C=1 a round "
+        "of 8 lasts a few seconds, and two rounds of one mode then differ by 20%%); a round also "
+        "sends C untimed requests before its window and drains those in flight after it",
     )
     ap.add_argument(
         "--settle",
@@ -600,6 +780,12 @@ def main() -> int:
         help="N CPU-bound processes (bound to no core, normal priority) run through the timed "
         "rounds: the same ratios on a machine busy with something else (default 0)",
     )  # fmt: skip
+    ap.add_argument(
+        "--apps", choices=APP_LAYOUTS, default=APP_LAYOUTS[0],
+        help="process: each mode's app in a process of its own, as a server is deployed; "
+        "thread: every app in this process, beside the clients (see the module docstring)",
+    )  # fmt: skip
+    ap.add_argument("--serve-app", default=None, help=argparse.SUPPRESS)  # an app process's own
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-load-vllm")
     ap.add_argument("--start-timeout", type=float, default=600.0, help="seconds per server")
     ap.add_argument(
@@ -607,6 +793,8 @@ def main() -> int:
         help="the vLLM environment's python (default: .venv-vllm/bin/python)",
     )  # fmt: skip
     args = ap.parse_args()
+    if args.serve_app is not None:
+        return serve_app(args.serve_app)
     if args.busy < 0:
         ap.error("--busy takes a count >= 0")
     cs = [int(x) for x in args.concurrency.split(",") if x.strip()]
@@ -640,15 +828,13 @@ def main() -> int:
         return 2
     _signals_as_interrupt()
     args.out.mkdir(parents=True, exist_ok=True)
-    if args.points is not None:  # auto's every decision and the times it compared
-        handler = logging.FileHandler(args.out / "auto-decisions.log", mode="w")
-        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
-        chooser_log = logging.getLogger("speceyes.operating_points")
-        chooser_log.addHandler(handler)
-        chooser_log.setLevel(logging.DEBUG)
+    decisions = args.out / "auto-decisions.log" if args.points is not None else None
+    if decisions is not None:  # auto's every decision, and the rounds between them
+        decisions.write_text("")
+        log_decisions(decisions)
     t_all = time.perf_counter()
     servers: list[Any] = []
-    apps: list[ServerThread] = []
+    apps: list[ServerThread | AppProcess] = []
     hogs: list[subprocess.Popen[bytes]] = []
     cells: dict[tuple[str, int], Cell] = {}
     try:
@@ -671,28 +857,42 @@ def main() -> int:
             print(f"vLLM servers up in {start_s:.0f} s ({where})", flush=True)
             server_url = dict(zip(("small", "large", *extra), (s.url for s in servers), strict=True))
             urls = {}
-            for m in modes:
+            for k, m in enumerate(modes):
                 large_url = server_url[m.large]
+                if args.apps == "process":  # started together, waited for below
+                    url_file = Path(tmp) / f"app-{k}.url"
+                    spec = app_spec(m, server_url["small"], large_url, args.points,
+                                    decisions if m.judge == AUTO else None, url_file)
+                    apps.append(AppProcess(spec, url_file, args.out / f"app-{k}.log"))
+                    continue
                 funnel = build_funnel(settings_for(m, server_url["small"], large_url, args.points))
                 srv = ServerThread(create_app(funnel, max_queue=1024, request_timeout=None))
                 apps.append(srv.start())
                 urls[m.label] = srv.url
+            for m, a in zip(modes, apps, strict=True):
+                if isinstance(a, AppProcess):
+                    urls[m.label] = a.wait_ready(APP_START_S)
             # Untimed warm-up: each mode answers every question once (first calls, caches).
             for m in modes:
-                asyncio.run(closed_loop(urls[m.label], bodies, queries, 0, len(queries), 4))
+                asyncio.run(closed_loop(urls[m.label], bodies, queries, 0, len(queries), 4, 0))
             print(f"warm-up done at {time.perf_counter() - t_all:.0f} s", flush=True)
             hogs = start_busy(args.busy)
             # CPU by process group: each server's process tree (read now: its workers exist),
-            # and this process, which runs every mode's app and the clients
+            # the apps' processes, and this one (the clients; with --apps thread, the apps too)
             groups = {n: process_tree(s.proc.pid) for n, s in zip(("small", "large", *extra),
                                                                    servers, strict=True)}
-            groups["app"] = [os.getpid()]
+            if args.apps == "process":
+                groups["app"] = [p for a in apps if isinstance(a, AppProcess)
+                                 for p in process_tree(a.proc.pid)]
+                groups["clients"] = [os.getpid()]
+            else:
+                groups["app"] = [os.getpid()]
             for c in cs:
                 n = args.requests or max(4 * c, MIN_REQUESTS)
                 settle = settle_requests(c) if args.settle < 0 else args.settle
                 for m in modes:
                     if settle and m.judge == AUTO:  # untimed: the trials of a load new to it
-                        asyncio.run(closed_loop(urls[m.label], bodies, queries, 0, settle, c))
+                        asyncio.run(closed_loop(urls[m.label], bodies, queries, 0, settle, c, 0))
                         print(f"C={c} {m.label}: settled on {settle} requests", flush=True)
                 for r in range(args.rounds):
                     for j in range(len(modes)):  # the order rotates by round
@@ -700,12 +900,13 @@ def main() -> int:
                         cell = cells.setdefault((m.label, c), Cell(m.label, c))
                         start = (r * n) % len(queries)  # every mode the same queries per round
                         before = {g: cpu_seconds(p) for g, p in groups.items()}
-                        got, errs, wall = asyncio.run(
+                        run = asyncio.run(
                             closed_loop(urls[m.label], bodies, queries, start, n, c)
                         )
                         used = {g: cpu_seconds(p) - before[g] for g, p in groups.items()}
-                        cell.add_round(got, errs, wall, used)
-                        line = f"C={c} round {r} {m.label}: {len(got)} in {wall:.1f} s"
+                        cell.add_round(run.samples, run.errors, run.window_s, used, run.wall_s)
+                        line = (f"C={c} round {r} {m.label}: {n} in {run.window_s:.1f} s "
+                                f"(round {len(run.samples)} in {run.wall_s:.1f} s)")
                         logging.getLogger("speceyes.operating_points").info(line)
                         print(line, flush=True)
     finally:
@@ -729,6 +930,7 @@ def main() -> int:
         "cpus": os.cpu_count(),
         "placement": args.placement,
         "executor": args.executor,
+        "apps": args.apps,
         "busy": args.busy,
         "server_cores": {n: cpus[n] for n in ("small", "large", *extra)},
         "load_avg": os.getloadavg(),

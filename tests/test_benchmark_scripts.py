@@ -169,7 +169,28 @@ def test_load_benchmark_counts_the_cpu_each_process_uses_per_query():
     assert row["cpu_ms_per_query"] == {"small": 50.0, "large": 100.0, "app": 50.0}
     assert row["cores_busy"] == 1.0
     text = "\n".join(bench.cpu_lines([row]))
-    assert "| 16 | speceyes/none | 50.0 | 100.0 | 50.0 | 200.0 | 1.00 |" in text
+    assert "| 16 | speceyes/none | 50.0 | 100.0 | 50.0 | 200.0 | 1.00 | - |" in text
+    # the time outside the server's clock: the client's latency less the server's total
+    cell.samples = [bench.Sample(0.25, True, "small", server_s=0.2),
+                    bench.Sample(0.5, True, "small", server_s=0.4), bench.Sample(0.3, True, "")]
+    assert cell.summary()["outside_server_ms"] == 75.0
+
+
+def test_load_benchmark_app_process_fails_with_its_log_when_its_servers_are_down(tmp_path):
+    """``--apps process``: an app whose funnel cannot start (no model server at its URL) exits,
+    and the benchmark says so and where its output is, instead of waiting out the start-up."""
+    bench = _load(BENCHMARKS / "bench_load_vllm.py")
+    url_file = tmp_path / "app.url"
+    dead = "http://127.0.0.1:9"
+    spec = bench.app_spec(bench.modes_of([])[0], dead, dead, None, None, url_file)
+    app = bench.AppProcess(spec, url_file, tmp_path / "app.log")
+    try:
+        with pytest.raises(RuntimeError, match=r"exited with 1; its output: .*app\.log"):
+            app.wait_ready(120)
+    finally:
+        app.stop()
+    assert "start-up check of http://127.0.0.1:9 failed" in (tmp_path / "app.log").read_text()
+    assert not url_file.exists()
 
 
 def test_load_benchmark_places_each_engine_on_cores_of_its_own():
@@ -230,3 +251,55 @@ def test_cascade_miniworld_logs_every_stage_with_its_direct_prompt(tmp_path, mon
     log = cr.cascade_log(run)
     assert log.stages == ("small@0", "small@1", "large_direct")
     assert not np.isnan(log.conf[:, 2]).any()  # the middle tier answered every query
+
+
+def test_load_benchmark_times_a_round_in_steady_state_and_drains_it():
+    """A round's clock runs from the C-th answer to the n-th after it while every client keeps
+    sending; then no request goes out and those in flight are answered untimed, so nothing is
+    left on the server. Its first n requests are scored, whatever order they come back in. A
+    stand-in server drives the control flow: odd questions take 20 times longer, as the agent
+    loop does."""
+    import asyncio
+
+    from aiohttp import web
+
+    from speceyes.types import Query
+    from tests.tools.server_thread import ServerThread
+
+    bench = _load(BENCHMARKS / "bench_load_vllm.py")
+    state = {"in_flight": 0, "requests": []}
+
+    async def chat(request: web.Request) -> web.Response:
+        k = int((await request.json())["messages"][0]["content"][1]["text"])
+        state["requests"].append(k)
+        state["in_flight"] += 1
+        await asyncio.sleep(0.2 if k % 2 else 0.01)
+        state["in_flight"] -= 1
+        info = {"route": "agent" if k % 2 else "small", "timings": {"total": 0.005}}
+        return web.json_response({"choices": [{"message": {"content": "yes" if k < 5 else "no"}}],
+                                  "speceyes": info})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    queries = [Query(id=str(k), image="-", question=str(k), answer="yes") for k in range(16)]
+    bodies = [bench.request_body(q, "data:,") for q in queries]
+    with ServerThread(app) as srv:
+        run = asyncio.run(bench.closed_loop(srv.url, bodies, queries, 2, 8, 4))
+    assert state["in_flight"] == 0 and run.errors == 0  # drained
+    assert len(state["requests"]) == len(run.samples) >= 8 + 4  # C before the window, n in it
+    assert state["requests"][:8] == list(range(2, 10))  # from `start`, in order
+    timed = [s for s in run.samples if s.timed]
+    scored = [s for s in run.samples if s.scored]
+    assert len(timed) == 8 and len(scored) == 8
+    assert 0 < run.window_s < run.wall_s
+    cell = bench.Cell("speceyes/none", 4)
+    cell.add_round(run.samples, run.errors, run.window_s, {"app": 1.0}, run.wall_s)
+    row = cell.summary()
+    assert row["requests"] == 8 and row["qps"] == pytest.approx(8 / run.window_s)
+    mean = sum(s.latency_s for s in timed) / 8
+    assert row["little_qps"] == pytest.approx(4 / mean)  # Little's law: C / mean latency
+    assert row["mean_s_by_route"]["agent"]["client"] > row["mean_s_by_route"]["small"]["client"]
+    assert row["scored"] == 8 and row["accuracy"] == 3 / 8  # requests 2, 3, 4 of 2..9 are right
+    assert row["small_share"] == 0.5  # of the scored: even questions
+    assert row["cores_busy"] == pytest.approx(1.0 / run.wall_s, abs=0.01)
+    assert row["outside_server_ms"] > 0

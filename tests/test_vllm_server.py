@@ -130,3 +130,37 @@ def test_logprobs_over_the_server_cap_are_refused(vllm_server, miniworld_queries
     with OpenAIBackend(vllm_server.url, family="qwen2_5_vl", max_logprobs=over, max_retries=0) as b:
         with pytest.raises(BackendError, match="refused"):
             b.answer([_small(miniworld_queries[0], images)], max_new_tokens=2, top_k=over)
+
+
+def test_load_benchmark_app_process_serves_on_the_engine_and_stops(vllm_server, tmp_path):
+    """``bench_load_vllm.py --apps process``: a mode's app in a process of its own answers a
+    client's request through the real engine, reports its own time, and exits cleanly when the
+    benchmark closes its stdin."""
+    import asyncio
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_load_vllm.py"
+    spec = importlib.util.spec_from_file_location("bench_load_vllm_app", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench  # dataclasses look their module up there
+    spec.loader.exec_module(bench)
+    queries = bench.question_set(tmp_path / "mw", 1, seed=0)
+    bodies = [bench.request_body(q, bench.to_data_uri(bench.load_image(q.image))) for q in queries]
+    url_file = tmp_path / "app.url"
+    agent_only = bench.modes_of([])[0]  # the large model only: the one this server serves
+    app = bench.AppProcess(
+        bench.app_spec(agent_only, vllm_server.url, vllm_server.url, None, None, url_file),
+        url_file, tmp_path / "app.log",
+    )  # fmt: skip
+    try:
+        url = app.wait_ready(120)
+        run = asyncio.run(bench.closed_loop(url, bodies, queries, 0, 2, 1, warm=0))
+    finally:
+        app.stop()
+    assert run.errors == 0 and len(run.samples) == 2
+    for s in run.samples:
+        assert s.route == "agent" and s.server_s is not None and 0 < s.server_s <= s.latency_s
+    assert app.proc.returncode == 0
