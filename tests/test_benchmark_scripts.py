@@ -95,13 +95,14 @@ def test_load_benchmark_pairs_rounds_for_its_ratios():
     auto's line show their range, which says how large a gap between two modes is noise."""
     bench = _load(BENCHMARKS / "bench_load_vllm.py")
     agent, auto = bench.Cell("agent-only", 4), bench.Cell("speceyes/auto", 4)
-    one = [bench.Sample(1.0, True, "agent", None, None)]
+    # each round's queries/s: C over its mean latency (Little's law), here also its count
     for got, wall in ((4, 2.0), (4, 4.0)):
-        agent.add_round(one * got, 0, wall)
-    for got, wall in ((6, 2.0), (3, 2.0)):
-        auto.add_round(one * got, 1, wall)
+        agent.add_round([bench.Sample(wall, True, "agent")] * got, 0, wall)
+    for got, latency in ((6, 4 / 3), (3, 8 / 3)):
+        auto.add_round([bench.Sample(latency, True, "agent")] * got, 1, 2.0)
     a, s = agent.summary(), auto.summary()
     assert a["round_qps"] == [2.0, 1.0] and s["round_qps"] == [3.0, 1.5]
+    assert a["round_counted_qps"] == [2.0, 1.0] and s["round_counted_qps"] == [3.0, 1.5]
     assert (s["requests"], s["errors"], s["wall_s"]) == (9, 2, 4.0)
     assert bench.round_ratios(s, a) == [1.5, 1.5]
     assert bench.round_ratios({"round_qps": [1.0, 2.0]}, {"round_qps": [2.0, 0.0]}) == [0.5]
@@ -254,11 +255,12 @@ def test_cascade_miniworld_logs_every_stage_with_its_direct_prompt(tmp_path, mon
 
 
 def test_load_benchmark_times_a_round_in_steady_state_and_drains_it():
-    """A round's clock runs from the C-th answer to the n-th after it while every client keeps
-    sending; then no request goes out and those in flight are answered untimed, so nothing is
-    left on the server. Its first n requests are scored, whatever order they come back in. A
-    stand-in server drives the control flow: odd questions take 20 times longer, as the agent
-    loop does."""
+    """A round scores the n requests after its first C (all sent under the full load, whatever
+    order they come back in) and counts answers from the C-th to the n-th after it while every
+    client keeps sending; then no request goes out and those in flight are answered, so
+    nothing is left on the server. Its throughput is C over the scored requests' mean latency.
+    A stand-in server drives the control flow: odd questions take 20 times longer, as the
+    agent loop does."""
     import asyncio
 
     from aiohttp import web
@@ -276,7 +278,7 @@ def test_load_benchmark_times_a_round_in_steady_state_and_drains_it():
         await asyncio.sleep(0.2 if k % 2 else 0.01)
         state["in_flight"] -= 1
         info = {"route": "agent" if k % 2 else "small", "timings": {"total": 0.005}}
-        return web.json_response({"choices": [{"message": {"content": "yes" if k < 5 else "no"}}],
+        return web.json_response({"choices": [{"message": {"content": "yes" if k < 8 else "no"}}],
                                   "speceyes": info})
 
     app = web.Application()
@@ -295,11 +297,12 @@ def test_load_benchmark_times_a_round_in_steady_state_and_drains_it():
     cell = bench.Cell("speceyes/none", 4)
     cell.add_round(run.samples, run.errors, run.window_s, {"app": 1.0}, run.wall_s)
     row = cell.summary()
-    assert row["requests"] == 8 and row["qps"] == pytest.approx(8 / run.window_s)
-    mean = sum(s.latency_s for s in timed) / 8
-    assert row["little_qps"] == pytest.approx(4 / mean)  # Little's law: C / mean latency
+    assert sorted(s.index for s in scored) == list(range(4, 12))
+    mean = sum(s.latency_s for s in scored) / 8
+    assert row["requests"] == 8 and row["qps"] == pytest.approx(4 / mean)  # C / mean latency
+    assert row["counted_qps"] == pytest.approx(8 / run.window_s)
     assert row["mean_s_by_route"]["agent"]["client"] > row["mean_s_by_route"]["small"]["client"]
-    assert row["scored"] == 8 and row["accuracy"] == 3 / 8  # requests 2, 3, 4 of 2..9 are right
+    assert row["accuracy"] == 2 / 8  # scored: questions 6..13, of which 6 and 7 are right
     assert row["small_share"] == 0.5  # of the scored: even questions
     assert row["cores_busy"] == pytest.approx(1.0 / run.wall_s, abs=0.01)
     assert row["outside_server_ms"] > 0
