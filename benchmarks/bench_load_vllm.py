@@ -59,12 +59,11 @@ after a small-model request. ``mp`` is vLLM's CPU default. With
 ``agent-only/all`` sends agent-only's queries to it: agent-only on the hardware both of
 SpecEyes' servers hold.
 
-Apps (``--apps``). With every app and the clients in one interpreter (``thread``), that
-interpreter was near a core at 11 queries/s (74-81 ms of CPU per query), and a request's wait
-for it fell outside the funnel's clock, by more for a point whose queries cost it more: run 47's
-auto timed the published judge's point 1.3 s a query under the cycle its clients saw at 64 of
-them. A server's own process (``process``, default) shares its interpreter with no load
-generator; ``thread`` is the earlier layout.
+Apps (``--apps``). ``process`` (default) runs each mode's app in a process of its own, as a
+server is deployed; ``thread`` is the earlier layout, every app and the clients in this
+interpreter. With ``process`` a request spent 1-9 ms outside its server's clock (the CPU
+table's last column, run 49), so the time a query spends in the funnel, which ``--judge auto``
+compares, is the time its client waits.
 
 With ``--busy N``, N CPU-bound processes (bound to no core) run through the timed rounds: the
 load of another job on the machine, which the interleaved rounds should spread over every mode
@@ -379,13 +378,14 @@ async def closed_loop(
 
     The throughput the benchmark reports is Little's law on the scored requests: C over their
     mean latency, which holds for a closed loop whose clients send again at once (each client
-    always has one request in the system). Counting answers is exact only over a window much
-    longer than the slowest request. At 64 clients the agent loops (about 10 s) start in waves,
-    and a window of 256 answers spans two or three: the count depended on where the window
-    fell (the published judge's point: 11.8 queries/s counted against 13.3 by the mean latency
-    of the same answers; agent-only, whose latencies do not spread, 6.79 both ways). Timed
-    from the first request to the last answer, as before, a round also timed its stragglers:
-    the client whose requests needed the agent most often, after the others had stopped."""
+    always has one request in the system). The scored requests are the same questions for
+    every mode, so the modes' ratios do not depend on which questions a window happened to
+    count; the answers counted in the window, per second, are reported beside it. (A mean
+    latency over the answers that came within a window would favour the quick ones: a long
+    request that starts late in it ends after it.) Timed from the first request to the last
+    answer, as before, a round also timed its drain: the last agent loops, after the other
+    clients had stopped.
+    """
     import aiohttp
 
     warm = concurrency if warm is None else warm
