@@ -162,5 +162,5 @@ def test_load_benchmark_app_process_serves_on_the_engine_and_stops(vllm_server, 
         app.stop()
     assert run.errors == 0 and len(run.samples) == 2
     for s in run.samples:
-        assert s.route == "agent" and s.server_s is not None and 0 < s.server_s <= s.latency_s
+        assert s.route == "agent_only" and s.server_s is not None and 0 < s.server_s <= s.latency_s
     assert app.proc.returncode == 0
