@@ -276,6 +276,26 @@ def test_points_within_the_margin_do_not_displace_the_one_held():
 
 
 @pytest.mark.usefixtures("one_batch_trials")
+def test_a_point_that_keeps_coming_out_quickest_needs_less_than_the_margin():
+    """Run 50 at 16 clients: `none` came out quickest in both its trials, the published
+    judge's point was held after a lucky second trial, and `none`, 9% quicker from then on,
+    never got 10% ahead of it. Each trial in a row at whose end a point was the quickest halves
+    the margin it must beat (down to SERIAL_HOLD_MARGIN): here `none` takes over once the held
+    point's time has risen, and a point only as far ahead as noise still does not."""
+    a = OperatingPoint("large", 0.9, beta=1.0, alpha=0.5)
+    b = OperatingPoint("none", 0.9, beta=1.0, alpha=0.5)
+    for b_later, expected in ((1.29, "none"), (1.38, "large")):
+        chooser = PointChooser([a, b])
+        runs = [("large", 1.34), ("none", 1.235), ("none", 1.26), ("large", 1.15)]
+        for name, t in runs:  # the first trials, then the second ones in reverse order
+            assert serve(chooser, 16, {"large": t, "none": t}) == name
+        assert serve(chooser, 16, {"large": 1.15, "none": 1.26}) == "large"  # held: lucky
+        times = {"large": 1.40, "none": b_later}
+        picks = [serve(chooser, 16, times) for _ in range(40)]
+        assert picks[-10:] == [expected] * 10, (b_later, picks)
+
+
+@pytest.mark.usefixtures("one_batch_trials")
 def test_the_others_run_again_once_the_held_points_time_has_moved():
     """While the held point runs, the queue the points share fills and its time rises; the
     others' times are of a quieter moment, so they run again before any switch: when their
