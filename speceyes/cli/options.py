@@ -235,7 +235,8 @@ def add_funnel_args(p: argparse.ArgumentParser, *, schedule: str | None = None) 
         help="--judge auto: keep the point chosen last at a load until another's measured time "
         f"is this share less (default: {f.auto_hold}; 0: the least time, always; with one "
         f"query in flight at most {PointChooser.SERIAL_HOLD_MARGIN}, since no queue mixes "
-        "points there)",
+        "points there); halved for each trial in a row at whose end the other point was the "
+        f"quickest, down to {PointChooser.SERIAL_HOLD_MARGIN}",
     )
     g.add_argument(
         "--judge-max-pixels",
