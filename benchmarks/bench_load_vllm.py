@@ -698,13 +698,12 @@ def auto_lines(rows: list[dict[str, Any]]) -> list[str]:
         others = [r for m, r in at.items() if not is_auto(m)]
         for label, auto in at.items():
             if is_auto(label) and others:
-                out.append(_auto_line(c, auto, max(others, key=lambda r: r["qps"]), others))
+                out.append(_auto_line(c, auto, others))
     return [""] + out if out else []
 
 
-def _auto_line(
-    c: int, auto: dict[str, Any], best: dict[str, Any], others: list[dict[str, Any]]
-) -> str:
+def _auto_line(c: int, auto: dict[str, Any], others: list[dict[str, Any]]) -> str:
+    best = max(others, key=lambda r: r["qps"])
     bands = "; ".join(
         f"band {band}: {_points_text(pts)}"
         for band, pts in (auto.get("points_by_band") or {}).items()
