@@ -107,7 +107,7 @@ from speceyes.factory import MANIFEST, Settings, build_funnel  # noqa: E402
 from speceyes.images import load_image, to_data_uri  # noqa: E402
 from speceyes.miniworld.demo import MODELS_DIR  # noqa: E402
 from speceyes.miniworld.splits import level_defaults, make_split  # noqa: E402
-from speceyes.operating_points import AUTO  # noqa: E402
+from speceyes.operating_points import AUTO, PointChooser  # noqa: E402
 from speceyes.types import Query  # noqa: E402
 from tests.vllm_support import (  # noqa: E402
     EXECUTORS,
@@ -131,9 +131,9 @@ MIN_REQUESTS = 128
 # auto's untimed requests at a new load, in trials of max(4C, 64) requests each: a trial (a
 # turnover of the queue, then PointChooser.TRIAL_QUERIES counted, half of them from the agent)
 # takes up to that many at C = 16 and 64 (run 27 timed part of agent-only's first trial with
-# half of it), and a new load has up to seven: the first of each of four points and a second
-# of the three that can be close to the quickest (PointChooser._second_trial)
-SETTLE_TRIALS = 7
+# half of it), and a new load has up to the first of each of four points and the contest's
+# further passes of the three that can be close to the quickest (PointChooser._contest_trial)
+SETTLE_TRIALS = 4 + 3 * (PointChooser.CONTEST_TRIALS - 1)
 SETTLE_TRIAL_REQUESTS = 64
 
 
@@ -745,7 +745,7 @@ def main() -> int:
         "that its one-time trials at a load new to it fall outside the timed part (its later "
         "re-runs stay inside); the static modes keep no state to settle (default: "
         f"{SETTLE_TRIALS} x max(4C, {SETTLE_TRIAL_REQUESTS}), what its first trial of each of "
-        "four points and a second of three take; 0: none, the cold figure)",
+        "four points and a full contest of three take; 0: none, the cold figure)",
     )
     ap.add_argument(
         "--scenes", type=int, default=8,

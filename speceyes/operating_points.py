@@ -292,6 +292,17 @@ class _Stretch:
     batches: int = 0
     counted_early: int = 0  # its queries counted, answered without the agent
     counted_agent: int = 0  # and answered by it
+    seconds_early: float = 0.0  # their times, summed: the stretch's own measure of its point
+    seconds_agent: float = 0.0
+
+    def add(self, seconds: float, early: bool, count: bool = True) -> None:
+        """A counted query's ``seconds`` on its route (``count=False``: more of the last one's)."""
+        if early:
+            self.counted_early += count
+            self.seconds_early += seconds
+        else:
+            self.counted_agent += count
+            self.seconds_agent += seconds
 
     def measures(self, arrived: float, now: float) -> bool:
         if self.turnover is None:
@@ -322,9 +333,11 @@ class PointChooser:
     expected time is ``s * early + (1 - s) * agent``.
 
     Each point runs a trial first in each load band it meets (see below), and those within the
-    hold margin of the quickest a second one, in reverse order (:meth:`_second_trial`); then
-    the rule takes the point with the least expected time, except that it keeps the point it
-    chose last in the band unless another's time is ``HOLD_MARGIN`` less: points within that
+    hold margin of the quickest then take turns in further trials until the trials tell them
+    apart or each has run ``CONTEST_TRIALS`` (:meth:`_contest_trial`), and the one whose trials
+    took least time is held. From then on the rule takes the point with the least expected
+    time, except that it keeps the point it chose last in the band unless another's time is
+    ``HOLD_MARGIN`` less: points within that
     margin serve about the same, one run's times do not separate them (paired rounds of the
     load benchmark spread by about as much), and each switch mixes two points in the engine's
     queue. The margin halves for each trial in a row at whose end the other point was the
@@ -332,7 +345,7 @@ class PointChooser:
     quicker is quicker, and on the real engine the points are 3-9% apart, inside the margin (in
     run 50 at 16 clients the published judge's point was held after one lucky trial, and
     `none`, quickest in both its trials and 9% quicker by the times and in every round, never
-    got 10% ahead of it). Nor does it switch
+    got 10% ahead of it); a contest's verdict starts every lead afresh. Nor does it switch
     on times of two moments: while the held point runs, the queue it shares with the others
     fills or drains and its time follows, while the others keep the time of their last batch
     (on the real engine the held point's time doubled as the queue filled at C=64, the others'
@@ -369,7 +382,7 @@ class PointChooser:
     last of its queries to leave; for a band's first stretch, which has no such time, until its
     first query from the agent loop is back) and settled before the stretch ended count for its
     time. A trial (a point's first stretch in a
-    band, a second one, a re-run, a fresh measure) lasts until ``TRIAL_QUERIES`` of its queries
+    band, a contest's, a re-run, a fresh measure) lasts until ``TRIAL_QUERIES`` of its queries
     have counted (half on each route: the early answers come back first, and would time the
     point by its quick route), or ``TRIAL_MAX_BATCHES`` batches; the re-runs' waits are
     counted in trials (a trial's batches times the wait in batches). With one query in flight
@@ -391,6 +404,8 @@ class PointChooser:
     # query settles (at 64 in flight agent-only's loops took 5 turnovers of the judged point's
     # queue to come back, and a cap in its turnovers ended its trials with nothing counted)
     TRIAL_MAX_BATCHES = 256
+    CONTEST_TRIALS = 6  # the most trials each of the points close to the quickest run
+    CONTEST_Z = 2.0  # a contender this many standard errors behind the quickest leaves the contest
 
     def __init__(
         self,
@@ -411,8 +426,12 @@ class PointChooser:
         self._early = {p.name: 0 for p in self.points}  # queries answered without the agent
         self._seen = {p.name: 0 for p in self.points}  # queries answered
         self._tried: set[tuple[str, int]] = set()  # (point, band) pairs given a batch
-        self._second: set[tuple[str, int]] = set()  # (point, band) pairs given a second trial
-        self._second_done: set[int] = set()  # bands whose second trials have all run
+        # (point, band): its trials there that have ended, and the times they measured
+        self._trials_done: defaultdict[tuple[str, int], int] = defaultdict(int)
+        self._trial_times: defaultdict[tuple[str, int], list[float]] = defaultdict(list)
+        self._contest_done: set[int] = set()  # bands whose contest has ended
+        self._contest_out: set[tuple[str, int]] = set()  # (point, band): left its contest behind
+        self._contest_winner: dict[int, str] = {}  # band: its contest's verdict, not yet held
         # (point, band): trials in a row at whose end it was the quickest measured point
         self._lead: defaultdict[tuple[str, int], int] = defaultdict(int)
         # Re-runs are paced in each band's own batches: counted over every band, a band a load
@@ -425,9 +444,10 @@ class PointChooser:
         self._last: defaultdict[tuple[str, int], int] = defaultdict(lambda: -1)
         # (point, band): its wait before a re-run, in trials
         self._wait: defaultdict[tuple[str, int], int] = defaultdict(lambda: self.EXPLORE_EVERY)
-        # band 0: the latest query's route time, its seconds and when it settled (the time
-        # until the next batch opens is added to it when that comes back to back)
-        self._serial_last: tuple[_Recent, float, float] | None = None
+        # band 0: the latest query's route time, stretch and route, its seconds and when it
+        # settled (the time until the next batch opens is added to it when that comes back to
+        # back)
+        self._serial_last: tuple[_Recent, _Stretch | None, bool, float, float] | None = None
         self._stretches: dict[int, deque[_Stretch]] = {}  # band: its recent stretches, last: now
         # (point, band): the batches its last trial there lasted
         self._trial_batches: defaultdict[tuple[str, int], int] = defaultdict(lambda: 1)
@@ -454,8 +474,11 @@ class PointChooser:
             t_held = times[held.name] if held is not None else None
             if current is not None and current.trial and self._trial_done(current):
                 current.trial = False  # measured: from here the rule decides, as for any point
-                self._trial_batches[(current.point.name, band)] = current.batches
                 key = (current.point.name, band)
+                self._trial_batches[key] = current.batches
+                self._trials_done[key] += 1
+                if (measure := self._stretch_time(current, band)) is not None:
+                    self._trial_times[key].append(measure)
                 mine = times[current.point.name]
                 others = [t for k, t in times.items() if k != key[0] and t is not None]
                 quickest = mine is not None and all(mine < t for t in others)
@@ -465,8 +488,8 @@ class PointChooser:
                 picked, why = current.point, "trial"
             elif untried:
                 picked, why, trial = untried[0], "first in band", True
-            elif (second := self._second_trial(measured, times, band)) is not None:
-                picked, why, trial = second, "second in band", True
+            elif (contender := self._contest_trial(measured, times, band)) is not None:
+                picked, why, trial = contender, "contest", True
             elif stale:
                 picked, why, trial = min(stale, key=lambda p: last[p.name]), "re-run", True
                 key = (picked.name, band)
@@ -474,6 +497,12 @@ class PointChooser:
             elif measured:
                 picked, why = min(measured, key=lambda p: times[p.name] or 0.0), "least time"
                 margin, remeasure = self.hold_margin, False
+                if (winner := self._contest_winner.pop(band, None)) is not None:
+                    # the contest's verdict, over all its trials, not the latest one's times
+                    picked = next(p for p in measured if p.name == winner)
+                    why, margin = "won the contest", 0.0
+                    for p in self.points:  # leads count from here, the re-runs' own
+                        self._lead[(p.name, band)] = 0
                 # one in flight: no queue mixes points, so only noise is held against
                 hold = min(margin, self.SERIAL_HOLD_MARGIN) if band == 0 else margin
                 # a contender that came out quickest in trial after trial: less to prove
@@ -502,7 +531,13 @@ class PointChooser:
                 self._ref[(picked.name, band)] = t_held
             self._tried.add((picked.name, band))
             self._last[(picked.name, band)] = batches
-            if current is None or current.point is not picked:
+            if current is not None and current.point is picked and trial:
+                # a trial of the point just run (a contest's pass turns at it): measured on
+                # its own, in a queue that is this point's already
+                current.end = now
+                current = _Stretch(picked, now, 0.0, trial)
+                runs.append(current)
+            elif current is None or current.point is not picked:
                 if current is not None:
                     current.end = now
                 # one in flight there is no queue to turn over; the band's first stretch
@@ -526,29 +561,79 @@ class PointChooser:
                       self.hold_margin, self._total, in_flight, band, picked.name, why, shown)
         return picked
 
-    def _second_trial(
+    def _contest_trial(
         self, measured: Sequence[OperatingPoint], times: dict[str, float | None], band: int
     ) -> OperatingPoint | None:
-        """After each point's first trial in a band, the points whose times are within the
-        hold margin of the quickest run one more trial each, in the reverse order of the
-        first (the next one, or None once each has); its queries join the first trial's.
-        The point the rule first holds keeps the margin's protection for the rest of the run,
-        and one trial of 16 queries times a point to within several percent on this machine,
-        about the gap between close points: two trials per contender halve the variance, and
-        in reverse order (A B, then B A) a load that drifts while they run weighs on each
-        alike. Without a margin, or with one point clearly quickest, there is no second pass.
+        """The next trial of a band's contest (None once it has ended). After each point's
+        first trial there, the points whose trials' mean time is within the hold margin of the
+        least take turns, a trial each per pass and every other pass in reverse order (A B,
+        B A, A B, ...: a drift of the load weighs on each alike). From the second pass on, a
+        point whose mean is more than ``CONTEST_Z`` standard errors behind the least leaves
+        (the error from the spread of the contenders' trials); the contest ends when one is
+        left or each has run ``CONTEST_TRIALS``, and the least mean is then held
+        (``_contest_winner``).
+
+        Points this close serve about the same, and one trial times a point to within about 5%
+        on the real engine, so one or two trials rank close points by luck (runs 50 and 51
+        held the slower one, for the rest of the run, behind the hold margin). Another trial
+        of the slower of two close points costs only their gap, and only while they cannot be
+        told apart. Without a margin there is no contest (the least time is taken at once).
         Called under the lock."""
-        if not self.hold_margin or band in self._second_done or not measured:
+        if not self.hold_margin or band in self._contest_done or not measured:
             return None
-        best = min((times[p.name] or 0.0) for p in measured)
-        close = [p for p in measured if (times[p.name] or 0.0) * (1.0 - self.hold_margin) <= best]
+        means = {p.name: self._trial_mean(p.name, band, times) for p in measured}
+        best = min(means.values())
+        close = [p for p in measured if (p.name, band) not in self._contest_out
+                 and means[p.name] * (1.0 - self.hold_margin) <= best]
+        done = {p.name: self._trials_done[(p.name, band)] for p in close}
+        passes = min(done.values(), default=0)
+        if len(close) > 1 and passes >= 2 and max(done.values()) == passes:
+            leader = min(close, key=lambda p: means[p.name])
+            for p in self._behind(close, leader, band):
+                self._contest_out.add((p.name, band))
+                close.remove(p)
+        if len(close) > 1 and passes < self.CONTEST_TRIALS:
+            order = self.points if passes % 2 == 0 else self.points[::-1]
+            return next(p for p in order if p in close and done[p.name] == passes)
+        self._contest_done.add(band)  # once: later changes are the re-runs' to see
         if len(close) > 1:
-            for p in reversed(self.points):
-                if p in close and (p.name, band) not in self._second:
-                    self._second.add((p.name, band))
-                    return p
-        self._second_done.add(band)  # a pass, once: later changes are the re-runs' to see
+            self._contest_winner[band] = min(close, key=lambda p: means[p.name]).name
         return None
+
+    def _behind(
+        self, close: Sequence[OperatingPoint], leader: OperatingPoint, band: int
+    ) -> list[OperatingPoint]:
+        """The contenders whose trials' mean log time is more than ``CONTEST_Z`` standard
+        errors above ``leader``'s, the variance pooled over every contender's trials (a
+        point's time varies by a share of itself, hence logs)."""
+        logs = {p.name: [math.log(t) for t in self._trial_times[(p.name, band)] if t > 0]
+                for p in close}
+        if any(len(x) < 2 for x in logs.values()):
+            return []
+        mean = {k: sum(x) / len(x) for k, x in logs.items()}
+        dof = sum(len(x) - 1 for x in logs.values())
+        var = sum((v - mean[k]) ** 2 for k, x in logs.items() for v in x) / dof
+        lead = logs[leader.name]
+        return [p for p in close if p is not leader and mean[p.name] - mean[leader.name]
+                > self.CONTEST_Z * math.sqrt(var * (1 / len(logs[p.name]) + 1 / len(lead)))]
+
+    def _trial_mean(self, name: str, band: int, times: dict[str, float | None]) -> float:
+        """The mean of the times ``name``'s trials in ``band`` measured (its expected time
+        where none counted a query)."""
+        measures = self._trial_times[(name, band)]
+        return sum(measures) / len(measures) if measures else times[name] or 0.0
+
+    def _stretch_time(self, run: _Stretch, band: int) -> float | None:
+        """The expected time of ``run``'s point by that stretch's counted queries alone (a route
+        it counted none on: the point's time there). Called under the lock."""
+        own = (run.seconds_early / run.counted_early if run.counted_early else None,
+               run.seconds_agent / run.counted_agent if run.counted_agent else None)
+        if own == (None, None):
+            return None
+        return self._mix(run.point, band, *(
+            t if t is not None else self._route_time(run.point.name, band, e)
+            for t, e in zip(own, (True, False), strict=True)
+        ))
 
     def _rerun_waits(
         self, measured: Sequence[OperatingPoint], times: dict[str, float | None], band: int
@@ -586,12 +671,10 @@ class PointChooser:
             if counted:
                 recent = self._time.setdefault((point.name, band, early), _Recent())
                 recent.add(seconds)
-                if run is not None and early:
-                    run.counted_early += 1
-                elif run is not None:
-                    run.counted_agent += 1
+                if run is not None:
+                    run.add(seconds, early)
                 if band == 0:
-                    self._serial_last = (recent, seconds, now)
+                    self._serial_last = (recent, run, early, seconds, now)
             self._seen[point.name] += 1  # the share answered early counts every query
             self._early[point.name] += int(early)
         if log.isEnabledFor(logging.DEBUG):  # each query's time, beside the choices
@@ -623,10 +706,12 @@ class PointChooser:
         last, self._serial_last = self._serial_last, None
         if last is None or band != 0:
             return
-        recent, seconds, settled = last
+        recent, run, early, seconds, settled = last
         gap = self._clock() - settled
         if 0.0 <= gap <= seconds:
             recent.extend_last(gap)
+            if run is not None:
+                run.add(gap, early, count=False)
 
     def skipped(self, point: OperatingPoint) -> float:
         """The share of ``point``'s queries answered without the agent: measured, starting from
@@ -644,12 +729,19 @@ class PointChooser:
         own = [self._route_time(point.name, band, e) for e in (True, False)]
         if own == [None, None]:
             return None
+        return self._mix(point, band, *own)
+
+    def _mix(
+        self, point: OperatingPoint, band: int, t_early: float | None, t_agent: float | None
+    ) -> float | None:
+        """``point``'s expected time from its times on the two routes, weighed by its share
+        answered without the agent."""
         # a route this point has not finished a query on yet: the band's time on it (after one
         # lucky query the point would otherwise look as quick as its quickest answer)
-        t_early, t_agent = (
-            t if t is not None else self._band_time(band, e)
-            for t, e in zip(own, (True, False), strict=True)
-        )
+        if t_early is None:
+            t_early = self._band_time(band, True)
+        if t_agent is None:
+            t_agent = self._band_time(band, False)
         if t_early is None or t_agent is None:
             return t_early if t_agent is None else t_agent
         s = self.skipped(point)

@@ -232,11 +232,13 @@ def add_funnel_args(p: argparse.ArgumentParser, *, schedule: str | None = None) 
     )
     g.add_argument(
         "--auto-hold", type=float, default=None, metavar="M",
-        help="--judge auto: keep the point chosen last at a load until another's measured time "
-        f"is this share less (default: {f.auto_hold}; 0: the least time, always; with one "
-        f"query in flight at most {PointChooser.SERIAL_HOLD_MARGIN}, since no queue mixes "
-        "points there); halved for each trial in a row at whose end the other point was the "
-        f"quickest, down to {PointChooser.SERIAL_HOLD_MARGIN}",
+        help="--judge auto: at a load new to it, the points whose first trials came within this "
+        f"share of the quickest take turns in up to {PointChooser.CONTEST_TRIALS} trials each "
+        "until told apart, and the quickest is held; later, the point chosen last stays until "
+        f"another's measured time is this share less (default: {f.auto_hold}; 0: the least "
+        f"time, always; with one query in flight at most {PointChooser.SERIAL_HOLD_MARGIN}, "
+        "since no queue mixes points there); halved for each trial in a row at whose end the "
+        f"other point was the quickest, down to {PointChooser.SERIAL_HOLD_MARGIN}",
     )
     g.add_argument(
         "--judge-max-pixels",
