@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 
 import pytest
 
@@ -297,6 +298,27 @@ def test_points_within_the_margin_do_not_displace_the_one_held():
     assert picks[-every:].count("none") >= every - 1  # taken at its re-run (and a's re-run)
     with pytest.raises(ValueError, match="hold margin"):
         PointChooser([a], 1.0)
+
+
+@pytest.mark.usefixtures("one_batch_trials")
+def test_with_noisy_trials_the_contest_holds_the_quicker_point_far_more_often():
+    """Trials about as noisy as the real engine's (5%, log-normal), one point 6% quicker: held
+    after the whole contest in at least 94% of 300 runs. Two trials each, the rule before the
+    contest, hold it in about 88% (its standard error: (5% * 1) / 6%, Phi(1.2))."""
+    a = OperatingPoint("large", 0.9, beta=1.0, alpha=0.5)
+    b = OperatingPoint("none", 0.9, beta=1.0, alpha=0.5)
+    rng = random.Random(0)
+    true = {"large": 1.06, "none": 1.0}
+    held = 0
+    for _ in range(300):
+        chooser = PointChooser([a, b])
+        for _ in range(2 * PointChooser.CONTEST_TRIALS + 2):
+            p = chooser.choose(16)
+            t = true[p.name] * rng.lognormvariate(0.0, 0.05)  # one trial's luck
+            for _ in range(4):
+                chooser.observe(p, 16, t)
+        held += chooser._held.get(load_level(16)) == "none"
+    assert held >= 0.94 * 300, held
 
 
 @pytest.mark.usefixtures("one_batch_trials")
