@@ -574,8 +574,9 @@ class PointChooser:
         (``_contest_winner``).
 
         Points this close serve about the same, and one trial times a point to within about 5%
-        on the real engine, so one or two trials rank close points by luck (runs 50 and 51
-        held the slower one, for the rest of the run, behind the hold margin). Another trial
+        on the real engine, so one or two trials rank close points by luck (in runs 50 and 51
+        the slower of two close points was held after two trials each, and kept for the rest of
+        the run). Another trial
         of the slower of two close points costs only their gap, and only while they cannot be
         told apart. Without a margin there is no contest (the least time is taken at once).
         Called under the lock."""
@@ -588,8 +589,7 @@ class PointChooser:
         done = {p.name: self._trials_done[(p.name, band)] for p in close}
         passes = min(done.values(), default=0)
         if len(close) > 1 and passes >= 2 and max(done.values()) == passes:
-            leader = min(close, key=lambda p: means[p.name])
-            for p in self._behind(close, leader, band):
+            for p in self._behind(close, band):
                 self._contest_out.add((p.name, band))
                 close.remove(p)
         if len(close) > 1 and passes < self.CONTEST_TRIALS:
@@ -600,12 +600,10 @@ class PointChooser:
             self._contest_winner[band] = min(close, key=lambda p: means[p.name]).name
         return None
 
-    def _behind(
-        self, close: Sequence[OperatingPoint], leader: OperatingPoint, band: int
-    ) -> list[OperatingPoint]:
+    def _behind(self, close: Sequence[OperatingPoint], band: int) -> list[OperatingPoint]:
         """The contenders whose trials' mean log time is more than ``CONTEST_Z`` standard
-        errors above ``leader``'s, the variance pooled over every contender's trials (a
-        point's time varies by a share of itself, hence logs)."""
+        errors above the least, the variance pooled over every contender's trials (a point's
+        time varies by a share of itself, hence logs)."""
         logs = {p.name: [math.log(t) for t in self._trial_times[(p.name, band)] if t > 0]
                 for p in close}
         if any(len(x) < 2 for x in logs.values()):
@@ -613,9 +611,9 @@ class PointChooser:
         mean = {k: sum(x) / len(x) for k, x in logs.items()}
         dof = sum(len(x) - 1 for x in logs.values())
         var = sum((v - mean[k]) ** 2 for k, x in logs.items() for v in x) / dof
-        lead = logs[leader.name]
-        return [p for p in close if p is not leader and mean[p.name] - mean[leader.name]
-                > self.CONTEST_Z * math.sqrt(var * (1 / len(logs[p.name]) + 1 / len(lead)))]
+        lead = min(mean, key=mean.__getitem__)
+        return [p for p in close if mean[p.name] - mean[lead] > self.CONTEST_Z
+                * math.sqrt(var * (1 / len(logs[p.name]) + 1 / len(logs[lead])))]
 
     def _trial_mean(self, name: str, band: int, times: dict[str, float | None]) -> float:
         """The mean of the times ``name``'s trials in ``band`` measured (its expected time
