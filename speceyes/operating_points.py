@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from speceyes import student_t
 from speceyes.types import JUDGES
 
 log = logging.getLogger(__name__)
@@ -405,7 +406,9 @@ class PointChooser:
     # queue to come back, and a cap in its turnovers ended its trials with nothing counted)
     TRIAL_MAX_BATCHES = 256
     CONTEST_TRIALS = 6  # the most trials each of the points close to the quickest run
-    CONTEST_Z = 2.0  # a contender this many standard errors behind the quickest leaves the contest
+    # a contender behind the quickest by more than this one-sided Student t quantile times the
+    # standard error of the gap leaves the contest
+    CONTEST_CONFIDENCE = 0.975
 
     def __init__(
         self,
@@ -568,8 +571,8 @@ class PointChooser:
         first trial there, the points whose trials' mean time is within the hold margin of the
         least take turns, a trial each per pass and every other pass in reverse order (A B,
         B A, A B, ...: a drift of the load weighs on each alike). From the second pass on, a
-        point whose mean is more than ``CONTEST_Z`` standard errors behind the least leaves
-        (the error from the spread of the contenders' trials); the contest ends when one is
+        point behind the least by more than the gap's standard error times Student's t at
+        ``CONTEST_CONFIDENCE`` leaves (see :meth:`_behind`); the contest ends when one is
         left or each has run ``CONTEST_TRIALS``, and the least mean is then held
         (``_contest_winner``).
 
@@ -598,12 +601,17 @@ class PointChooser:
         self._contest_done.add(band)  # once: later changes are the re-runs' to see
         if len(close) > 1:
             self._contest_winner[band] = min(close, key=lambda p: means[p.name]).name
+        log.debug("contest in band %d ended: %s; left in it: %s", band, ", ".join(
+            f"{p.name} {means[p.name]:.3f}s over {self._trials_done[(p.name, band)]} trials"
+            for p in measured), ", ".join(p.name for p in close) or "-")
         return None
 
     def _behind(self, close: Sequence[OperatingPoint], band: int) -> list[OperatingPoint]:
-        """The contenders whose trials' mean log time is more than ``CONTEST_Z`` standard
-        errors above the least, the variance pooled over every contender's trials (a point's
-        time varies by a share of itself, hence logs)."""
+        """The contenders whose trials' mean log time exceeds the least by more than the gap's
+        standard error times Student's t quantile at ``CONTEST_CONFIDENCE`` (one-sided), the
+        variance pooled over every contender's trials with its degrees of freedom: a point's
+        time varies by a share of itself, hence logs, and two or three trials each give few
+        degrees of freedom, hence t (3.18 standard errors at three, 2.45 at six)."""
         logs = {p.name: [math.log(t) for t in self._trial_times[(p.name, band)] if t > 0]
                 for p in close}
         if any(len(x) < 2 for x in logs.values()):
@@ -612,8 +620,9 @@ class PointChooser:
         dof = sum(len(x) - 1 for x in logs.values())
         var = sum((v - mean[k]) ** 2 for k, x in logs.items() for v in x) / dof
         lead = min(mean, key=mean.__getitem__)
-        return [p for p in close if mean[p.name] - mean[lead] > self.CONTEST_Z
-                * math.sqrt(var * (1 / len(logs[p.name]) + 1 / len(logs[lead])))]
+        t = student_t.quantile(self.CONTEST_CONFIDENCE, dof)
+        return [p for p in close if mean[p.name] - mean[lead]
+                > t * math.sqrt(var * (1 / len(logs[p.name]) + 1 / len(logs[lead])))]
 
     def _trial_mean(self, name: str, band: int, times: dict[str, float | None]) -> float:
         """The mean of the times ``name``'s trials in ``band`` measured (its expected time

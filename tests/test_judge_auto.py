@@ -248,13 +248,14 @@ def test_the_points_close_to_the_quickest_take_turns_until_one_is_held():
 
 @pytest.mark.usefixtures("one_batch_trials")
 def test_a_contender_clearly_behind_leaves_the_contest():
-    """From the second pass on, a contender more than CONTEST_Z standard errors (from the
-    trials' spread) behind the quickest leaves: here `none`'s trials vary by 1% and it is 4%
-    behind, so the contest ends after two passes, where 1% apart it runs them all."""
+    """From the second pass on, a contender behind the quickest by more than Student's t times
+    the gap's standard error (from the trials' spread) leaves: here each point's trials vary
+    by 1% and `none` is 4% behind, so the contest ends after three passes (after two, with two
+    degrees of freedom, t is 4.3), where 1% apart it runs them all."""
     a = OperatingPoint("large", 0.9, beta=1.0, alpha=0.5)
     b = OperatingPoint("none", 0.9, beta=1.0, alpha=0.5)
     n = PointChooser.CONTEST_TRIALS
-    for gap, trials in ((0.04, 4), (0.01, 2 * n)):
+    for gap, trials in ((0.04, 6), (0.01, 2 * n)):
         chooser = PointChooser([a, b])
         picks: list[str] = []
         for _ in range(2 * n + 4):  # each point's trials 1% quicker and slower in turn
