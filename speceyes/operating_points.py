@@ -28,7 +28,7 @@ import threading
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -382,7 +382,8 @@ class PointChooser:
     had turned over (one time on the agent route of the point before it, whose loops are the
     last of its queries to leave; for a band's first stretch, which has no such time, until its
     first query from the agent loop is back) and settled before the stretch ended count for its
-    time. A trial (a point's first stretch in a
+    time. When the queue runs dry (no batch opened and no query settled for ``IDLE_TURNOVERS``
+    turnovers) the stretch goes on afresh: the queries that refill it meet idle engines. A trial (a point's first stretch in a
     band, a contest's, a re-run, a fresh measure) lasts until ``TRIAL_QUERIES`` of its queries
     have counted (half on each route: the early answers come back first, and would time the
     point by its quick route), or ``TRIAL_MAX_BATCHES`` batches; the re-runs' waits are
@@ -405,6 +406,9 @@ class PointChooser:
     # query settles (at 64 in flight agent-only's loops took 5 turnovers of the judged point's
     # queue to come back, and a cap in its turnovers ended its trials with nothing counted)
     TRIAL_MAX_BATCHES = 256
+    # no batch opened nor query settled for this many turnovers: the queue ran dry, and the
+    # stretch starts afresh
+    IDLE_TURNOVERS = 2.0
     CONTEST_TRIALS = 6  # the most trials each of the points close to the quickest run
     # a contender behind the quickest by more than this one-sided Student t quantile times the
     # standard error of the gap leaves the contest
@@ -452,6 +456,7 @@ class PointChooser:
         # back)
         self._serial_last: tuple[_Recent, _Stretch | None, bool, float, float] | None = None
         self._stretches: dict[int, deque[_Stretch]] = {}  # band: its recent stretches, last: now
+        self._active: dict[int, float] = {}  # band: when a batch last opened or a query settled
         # (point, band): the batches its last trial there lasted
         self._trial_batches: defaultdict[tuple[str, int], int] = defaultdict(lambda: 1)
         self._clock = clock
@@ -468,6 +473,15 @@ class PointChooser:
             now = self._clock()
             runs = self._stretches.setdefault(band, deque(maxlen=64))
             current = runs[-1] if runs else None
+            if current is not None and self._ran_dry(current, band, now):
+                # the queries that refill the queue meet idle engines, as a band's first do
+                # (load benchmark run 54: a trial that spanned a mode's idle minutes timed the
+                # first queries of the next round, 4-6 s against 13 s under the load, and
+                # its point was held on them): the stretch goes on afresh, counted again one
+                # turnover after now
+                current.end = now
+                current = replace(current, start=now, end=None)
+                runs.append(current)
             untried = [p for p in self.points if (p.name, band) not in self._tried]
             times = {p.name: self._expected(p, band) for p in self.points}
             measured = [p for p in self.points if times[p.name] is not None]
@@ -558,11 +572,20 @@ class PointChooser:
                 current = _Stretch(picked, now, turnover, trial)
                 runs.append(current)
             current.batches += 1
+            self._active[band] = now
         if log.isEnabledFor(logging.DEBUG):  # why this point: the times the rule compared
             shown = ", ".join(f"{k} {'-' if t is None else f'{t:.3f}s'}" for k, t in times.items())
             log.debug("hold %g, batch %d, %d in flight (band %d): %s (%s); %s",
                       self.hold_margin, self._total, in_flight, band, picked.name, why, shown)
         return picked
+
+    def _ran_dry(self, run: _Stretch, band: int, now: float) -> bool:
+        """Whether no batch has opened and no query settled in ``band`` for
+        ``IDLE_TURNOVERS`` of ``run``'s turnovers (under load, where a queue turns over; one
+        in flight no queue carries over)."""
+        last = self._active.get(band)
+        return bool(run.turnover and last is not None and run.end is None
+                    and now - last > self.IDLE_TURNOVERS * run.turnover)
 
     def _contest_trial(
         self, measured: Sequence[OperatingPoint], times: dict[str, float | None], band: int
@@ -674,6 +697,7 @@ class PointChooser:
                 # a band's first stretch: its queue has turned over once an agent query is back
                 run.turnover = self.HEAD_TURNOVERS * (now - run.start)
             counted = run is None or run.measures(now - seconds, now)
+            self._active[band] = now
             self._serial_last = None
             if counted:
                 recent = self._time.setdefault((point.name, band, early), _Recent())

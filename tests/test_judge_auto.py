@@ -521,6 +521,39 @@ def test_a_stretch_counts_once_the_last_points_agent_loops_are_back():
     assert chooser.seconds(b, band) == pytest.approx(s * 1.0 + (1 - s) * 9.0)
 
 
+def test_after_the_queue_ran_dry_a_stretch_counts_again_one_turnover_on():
+    """A server idle for minutes, then a burst: the burst's first queries meet idle engines
+    and finish in a fraction of the time they take under the load (load benchmark run 54: 4-6 s
+    against 13 s, and the point whose trial spanned the idle minutes was held on them). When no
+    batch has opened and no query settled for IDLE_TURNOVERS turnovers, the stretch goes on
+    afresh and counts again from one turnover on; in steady state it does not restart."""
+    a = OperatingPoint("large", 0.9, beta=1.0, alpha=0.5)
+    clock = Clock()
+    chooser = PointChooser([a], clock=clock)
+    band = load_level(64)
+    t0 = clock.now
+    assert chooser.choose(64) == a
+    clock.now = t0 + 10.0
+    chooser.observe(a, 64, 10.0, early=False)  # the band's turnover: 10 s
+    for k in range(40):  # steady: a batch every second, agent queries of 12 s
+        clock.now = t0 + 20.0 + k
+        chooser.choose(64)
+        chooser.observe(a, 64, 12.0, early=False)
+    assert chooser.seconds(a, band) == pytest.approx(12.0)
+    assert len(chooser._stretches[band]) == 1  # no restart in steady state
+    clock.now += 200.0  # idle
+    idle_end = clock.now
+    chooser.choose(64)  # the burst
+    clock.now = idle_end + 4.0
+    chooser.observe(a, 64, 4.0, early=False)  # on idle engines: not counted
+    chooser.observe(a, 64, 4.0, early=False)
+    assert chooser.seconds(a, band) == pytest.approx(12.0)
+    clock.now = idle_end + 25.0
+    chooser.observe(a, 64, 13.0, early=False)  # arrived 12 s after the burst: counted
+    assert chooser.seconds(a, band) > 12.0
+    assert len(chooser._stretches[band]) == 2
+
+
 def test_a_trial_ends_once_each_route_of_its_point_has_counted():
     """Early answers come back first: a trial that ended on them would time its point by its
     quick route. It runs until half of TRIAL_QUERIES have counted on each route the point has
