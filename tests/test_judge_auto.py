@@ -305,7 +305,8 @@ def test_points_within_the_margin_do_not_displace_the_one_held():
 def test_with_noisy_trials_the_contest_holds_the_quicker_point_far_more_often():
     """Trials about as noisy as the real engine's (5%, log-normal), one point 6% quicker: held
     after the whole contest in at least 94% of 300 runs. Two trials each, the rule before the
-    contest, hold it in about 88% (its standard error: (5% * 1) / 6%, Phi(1.2))."""
+    contest, hold it in about 88% (the gap is 1.2 standard errors of two trials each, and
+    Phi(1.2) = 0.885)."""
     a = OperatingPoint("large", 0.9, beta=1.0, alpha=0.5)
     b = OperatingPoint("none", 0.9, beta=1.0, alpha=0.5)
     rng = random.Random(0)
