@@ -383,8 +383,9 @@ class PointChooser:
     last of its queries to leave; for a band's first stretch, which has no such time, until its
     first query from the agent loop is back) and settled before the stretch ended count for its
     time. When the queue runs dry (no batch opened and no query settled for ``IDLE_TURNOVERS``
-    turnovers) the stretch goes on afresh: the queries that refill it meet idle engines. A trial (a point's first stretch in a
-    band, a contest's, a re-run, a fresh measure) lasts until ``TRIAL_QUERIES`` of its queries
+    turnovers) the stretch goes on afresh: the queries that refill it meet idle engines. A
+    trial (a point's first stretch in a band, a contest's, a re-run, a fresh measure) lasts
+    until ``TRIAL_QUERIES`` of its queries
     have counted (half on each route: the early answers come back first, and would time the
     point by its quick route), or ``TRIAL_MAX_BATCHES`` batches; the re-runs' waits are
     counted in trials (a trial's batches times the wait in batches). With one query in flight
@@ -584,7 +585,7 @@ class PointChooser:
         ``IDLE_TURNOVERS`` of ``run``'s turnovers (under load, where a queue turns over; one
         in flight no queue carries over)."""
         last = self._active.get(band)
-        return bool(run.turnover and last is not None and run.end is None
+        return bool(run.turnover and last is not None
                     and now - last > self.IDLE_TURNOVERS * run.turnover)
 
     def _contest_trial(
@@ -602,9 +603,8 @@ class PointChooser:
         Points this close serve about the same, and one trial times a point to within about 5%
         on the real engine, so one or two trials rank close points by luck (in runs 50 and 51
         the slower of two close points was held after two trials each, and kept for the rest of
-        the run). Another trial
-        of the slower of two close points costs only their gap, and only while they cannot be
-        told apart. Without a margin there is no contest (the least time is taken at once).
+        the run). Another trial of the slower of two close points costs only their gap, and
+        only while they cannot be told apart. Without a margin there is no contest (the least time is taken at once).
         Called under the lock."""
         if not self.hold_margin or band in self._contest_done or not measured:
             return None
