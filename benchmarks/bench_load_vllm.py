@@ -135,6 +135,9 @@ MIN_REQUESTS = 128
 # further passes of the three that can be close to the quickest (PointChooser._contest_trial)
 SETTLE_TRIALS = 4 + 3 * (PointChooser.CONTEST_TRIALS - 1)
 SETTLE_TRIAL_REQUESTS = 64
+# auto's interval against the best other mode (vs_best_interval): resamples and coverage
+INTERVAL_RESAMPLES = 4000
+INTERVAL_LEVEL = 0.95
 
 
 def settle_requests(c: int) -> int:
@@ -188,6 +191,7 @@ class Cell:
     round_qps: list[float] = field(default_factory=list)  # each round's queries/s, in order
     round_counted_qps: list[float] = field(default_factory=list)  # and its window's count
     cpu_s: dict[str, float] = field(default_factory=dict)  # CPU seconds by process group
+    rounds: list[list[Sample]] = field(default_factory=list)  # each round's answers, in order
 
     def add_round(
         self,
@@ -198,6 +202,7 @@ class Cell:
         wall_s: float | None = None,
     ) -> None:
         self.samples += got
+        self.rounds.append(got)
         self.errors += errors
         self.wall_s += window_s
         self.busy_wall_s += window_s if wall_s is None else wall_s
@@ -614,6 +619,43 @@ def spread_text(ratios: list[float]) -> str:
     return f" ({min(ratios):.2f}-{max(ratios):.2f})" if len(ratios) > 1 else ""
 
 
+def vs_best_interval(
+    auto: Cell, others: list[Cell], resamples: int = INTERVAL_RESAMPLES,
+    level: float = INTERVAL_LEVEL, seed: int = 0,
+) -> tuple[float, float] | None:
+    """A percentile interval for ``auto``'s throughput over the best of ``others``, by a
+    two-stage bootstrap (resampling the units at each level of a nested design, Davison and
+    Hinkley 1997, section 3.8): the rounds with replacement, each whole with every mode (a
+    round's modes met the same machine), then within each chosen round its scored requests
+    with replacement, paired across modes by their place in the round (the same question for
+    every mode). Throughput is C over the mean latency, so a ratio is a ratio of mean latencies.
+    The best other mode is chosen again in every resample: the interval carries the upward bias
+    of the largest of several noisy throughputs, which the point ratio does not (a copy of the
+    best mode reads below 1 by that much). None without a request every mode answered."""
+    cells = [auto, *others]
+    per_round = []  # each round: the modes' latencies (rows) over its paired requests
+    for r in range(min(len(c.rounds) for c in cells)):
+        by_index = [{s.index: s.latency_s for s in c.rounds[r] if s.scored} for c in cells]
+        keys = sorted(set.intersection(*(set(d) for d in by_index)))
+        if keys:
+            per_round.append(np.array([[d[k] for k in keys] for d in by_index]))
+    if not per_round:
+        return None
+    rng = np.random.default_rng(seed)
+    ratios = np.empty(resamples)
+    for b in range(resamples):
+        total, count = np.zeros(len(cells)), 0
+        for r in rng.integers(len(per_round), size=len(per_round)):
+            lat = per_round[r]
+            total += lat[:, rng.integers(lat.shape[1], size=lat.shape[1])].sum(axis=1)
+            count += lat.shape[1]
+        mean = total / count
+        ratios[b] = mean[1:].min() / mean[0]
+    tail = (1 - level) / 2
+    lo, hi = np.quantile(ratios, [tail, 1 - tail])
+    return float(lo), float(hi)
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     """Markdown: one row per C and mode, ratios against agent-only at the same C."""
 
@@ -715,9 +757,12 @@ def _auto_line(c: int, auto: dict[str, Any], others: list[dict[str, Any]]) -> st
         top = max(others, key=lambda r: r["counted_qps"])
         by_count = (f"; counted in the windows {auto['counted_qps'] / top['counted_qps']:.3f} x "
                     f"the best other mode ({top['mode']})")
+    interval = auto.get("vs_best_interval")
     return (
         f"C={c}: {auto['mode'].removeprefix('speceyes/')} {auto['qps']:.2f} queries/s = {auto['qps'] / best['qps']:.3f} x the "
         f"best other mode ({best['mode']}, {best['qps']:.2f})"
+        + (f", {INTERVAL_LEVEL:.0%} interval {interval[0]:.3f}-{interval[1]:.3f} (bootstrap over "
+           "rounds and requests, the best mode chosen in each)" if interval else "")
         + (f", by round {', '.join(f'{x:.2f}' for x in per_round)}" if len(per_round) > 1 else "")
         + by_count
         + (f"; points by load band: {bands}" if bands else "")
@@ -941,6 +986,12 @@ def main() -> int:
             s.stop()
     total_s = time.perf_counter() - t_all
     rows = [cells[(m.label, c)].summary() for c in cs for m in modes if (m.label, c) in cells]
+    for row in rows:  # auto against the best other mode: its interval beside the point ratio
+        if is_auto(row["mode"]):
+            c = row["concurrency"]
+            others = [x for (label, at), x in cells.items() if at == c and not is_auto(label)]
+            got = vs_best_interval(cells[(row["mode"], c)], others) if others else None
+            row["vs_best_interval"] = [round(x, 4) for x in got] if got else None
     md = table(rows)
     print(md)
     meta = {

@@ -120,6 +120,47 @@ def test_load_benchmark_pairs_rounds_for_its_ratios():
     assert lines[2].startswith("C=4: auto@hold=0 3.00 queries/s = 2.250 x the best other mode (a")
 
 
+def test_load_benchmark_bounds_auto_against_the_best_other_mode():
+    """auto's interval against the best other mode: requests pair by their place in a round
+    (not by the order they came back in), and the best mode is chosen again in each resample,
+    so a mode equal to two others reads below 1 as a point ratio but not by its interval."""
+    bench = _load(BENCHMARKS / "bench_load_vllm.py")
+    rng = np.random.default_rng(3)
+
+    def cell(label, rounds):
+        got = bench.Cell(label, 16)
+        for lat in rounds:
+            got.add_round([bench.Sample(float(x), True, "agent", index=i)
+                           for i, x in enumerate(lat)], 0, 1.0)  # fmt: skip
+        return got
+
+    # the same latencies per question, answered in another order: exactly the other mode
+    questions = [rng.lognormal(0.0, 0.5, 64) for _ in range(4)]
+    same, shuffled = cell("agent-only", questions), cell("speceyes/auto", questions)
+    for got in shuffled.rounds:
+        got.reverse()
+    assert bench.vs_best_interval(shuffled, [same], resamples=200) == (1.0, 1.0)
+    # three modes alike in distribution, their rounds' load drifting alike: auto's point ratio
+    # against the best of the other two falls below 1, and its interval holds 1
+    load = [1.0, 1.6, 0.8, 1.3]
+
+    def alike(label):
+        return cell(label, [f * q * rng.lognormal(0.0, 0.25, 64) for f, q in zip(load, questions, strict=True)])
+
+    auto, others = alike("speceyes/auto"), [alike("agent-only"), alike("speceyes/large")]
+    point = min(float(np.mean([s.latency_s for s in o.samples])) for o in others) / float(
+        np.mean([s.latency_s for s in auto.samples]))
+    lo, hi = bench.vs_best_interval(auto, others)
+    assert point < 1.0 and lo < point < hi and lo < 1.0 < hi
+    # an auto a fifth slower on every question is told apart
+    slow = cell("speceyes/auto", [1.25 * q for q in questions])
+    assert bench.vs_best_interval(slow, [same])[1] < 0.85
+    # a round that every mode answered is needed
+    assert bench.vs_best_interval(cell("speceyes/auto", []), [same]) is None
+    row = {**auto.summary(), "vs_best_interval": [0.91, 1.02]}
+    assert ", 95% interval 0.910-1.020 (bootstrap" in bench.auto_lines([others[0].summary(), row])[-1]
+
+
 def test_uni_executor_keeps_the_worker_in_the_engine_process():
     """``uni`` asks for the in-process worker and sets the variable without which vLLM's CPU
     platform turns ``uni`` back into ``mp`` (whose worker busy-polls a shared-memory queue)."""
