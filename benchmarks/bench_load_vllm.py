@@ -631,7 +631,9 @@ def vs_best_interval(
     every mode). Throughput is C over the mean latency, so a ratio is a ratio of mean latencies.
     The best other mode is chosen again in every resample: the interval carries the upward bias
     of the largest of several noisy throughputs, which the point ratio does not (a copy of the
-    best mode reads below 1 by that much). None without a request every mode answered."""
+    best mode reads below 1 by that much). Resampling both stages errs wide (the requests'
+    spread is counted again inside the rounds'), so a miss whose interval still holds 0.97 is
+    not shown to be one. None without a request every mode answered."""
     cells = [auto, *others]
     per_round = []  # each round: the modes' latencies (rows) over its paired requests
     for r in range(min(len(c.rounds) for c in cells)):
