@@ -184,14 +184,18 @@ class Cell:
 
     mode: str
     concurrency: int
-    samples: list[Sample] = field(default_factory=list)
+    rounds: list[list[Sample]] = field(default_factory=list)  # each round's answers, in order
     wall_s: float = 0.0  # the rounds' counting windows
     busy_wall_s: float = 0.0  # the rounds' whole time, over which the CPU was counted
     errors: int = 0
     round_qps: list[float] = field(default_factory=list)  # each round's queries/s, in order
     round_counted_qps: list[float] = field(default_factory=list)  # and its window's count
     cpu_s: dict[str, float] = field(default_factory=dict)  # CPU seconds by process group
-    rounds: list[list[Sample]] = field(default_factory=list)  # each round's answers, in order
+
+    @property
+    def samples(self) -> list[Sample]:
+        """Every round's answers, in order."""
+        return [s for got in self.rounds for s in got]
 
     def add_round(
         self,
@@ -201,7 +205,6 @@ class Cell:
         cpu_s: dict[str, float] | None = None,
         wall_s: float | None = None,
     ) -> None:
-        self.samples += got
         self.rounds.append(got)
         self.errors += errors
         self.wall_s += window_s
@@ -218,10 +221,11 @@ class Cell:
         return self.concurrency / float(np.mean([s.latency_s for s in scored])) if scored else None
 
     def summary(self) -> dict[str, Any]:
-        timed = [s for s in self.samples if s.timed]  # the counting windows' answers
-        scored = [s for s in self.samples if s.scored]  # the same requests for every mode
+        samples = self.samples
+        timed = [s for s in samples if s.timed]  # the counting windows' answers
+        scored = [s for s in samples if s.scored]  # the same requests for every mode
         lat = np.array([s.latency_s for s in scored]) if scored else np.zeros(0)
-        n, n_all = len(scored), len(self.samples)
+        n, n_all = len(scored), len(samples)
         outside = [s.latency_s - s.server_s for s in scored if s.server_s is not None]
         return {
             "mode": self.mode,

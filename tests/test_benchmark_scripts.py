@@ -76,11 +76,10 @@ def test_load_benchmark_reports_autos_points_per_load_band(tmp_path):
     bench = _load(BENCHMARKS / "bench_load_vllm.py")
     cell = bench.Cell("speceyes/auto", 16)
     cell.wall_s = 4.0
-    cell.samples = [bench.Sample(1.0, True, "small", "none", 2) for _ in range(6)]
-    cell.samples += [
+    cell.rounds = [[bench.Sample(1.0, True, "small", "none", 2) for _ in range(6)] + [
         bench.Sample(1.0, True, "agent", "large", 2),
         bench.Sample(1.0, True, "agent", "agent", 1),
-    ]
+    ]]
     row = cell.summary()
     assert row["points_by_band"] == {"1": {"agent": 1}, "2": {"none": 6, "large": 1}}
     other = {"mode": "agent-only", "concurrency": 16, "qps": 1.0}
@@ -213,8 +212,8 @@ def test_load_benchmark_counts_the_cpu_each_process_uses_per_query():
     text = "\n".join(bench.cpu_lines([row]))
     assert "| 16 | speceyes/none | 50.0 | 100.0 | 50.0 | 200.0 | 1.00 | - |" in text
     # the time outside the server's clock: the client's latency less the server's total
-    cell.samples = [bench.Sample(0.25, True, "small", server_s=0.2),
-                    bench.Sample(0.5, True, "small", server_s=0.4), bench.Sample(0.3, True, "")]
+    cell.rounds = [[bench.Sample(0.25, True, "small", server_s=0.2),
+                    bench.Sample(0.5, True, "small", server_s=0.4), bench.Sample(0.3, True, "")]]
     assert cell.summary()["outside_server_ms"] == 75.0
 
 
