@@ -385,8 +385,7 @@ class PointChooser:
     time. When the queue runs dry (no batch opened and no query settled for ``IDLE_TURNOVERS``
     turnovers) the stretch goes on afresh: the queries that refill it meet idle engines. A
     trial (a point's first stretch in a band, a contest's, a re-run, a fresh measure) lasts
-    until ``TRIAL_QUERIES`` of its queries
-    have counted (half on each route: the early answers come back first, and would time the
+    until ``TRIAL_QUERIES`` of its queries have counted (half on each route: the early answers come back first, and would time the
     point by its quick route), or ``TRIAL_MAX_BATCHES`` batches; the re-runs' waits are
     counted in trials (a trial's batches times the wait in batches). With one query in flight
     there is no queue to turn over, but a trial still runs ``TRIAL_QUERIES`` queries: one query
@@ -604,8 +603,8 @@ class PointChooser:
         on the real engine, so one or two trials rank close points by luck (in runs 50 and 51
         the slower of two close points was held after two trials each, and kept for the rest of
         the run). Another trial of the slower of two close points costs only their gap, and
-        only while they cannot be told apart. Without a margin there is no contest (the least time is taken at once).
-        Called under the lock."""
+        only while they cannot be told apart. Without a margin there is no contest (the least
+        time is taken at once). Called under the lock."""
         if not self.hold_margin or band in self._contest_done or not measured:
             return None
         means = {p.name: self._trial_mean(p.name, band, times) for p in measured}
