@@ -376,6 +376,8 @@ def derive(
         "tool_s": crop_s,
         "image_preprocess_s": view_s,  # the client's view of the whole image, per backend
         "client_cpu_on_engine": True,  # the clients run on the servers' cores
+        # unpinned, the client's threads take whichever server's core is idle
+        "client_cpu_free_core": placement == SPLIT_PLACEMENT,
     })  # fmt: skip
     return out
 

@@ -337,6 +337,26 @@ def test_image_preprocessing_on_the_engine_is_serial_per_query():
     assert not sm.CostModel().client_cpu_on_engine
 
 
+def test_client_cpu_takes_the_idle_servers_core():
+    """With a server per core, the client's CPU work runs on the core of a server that is idle:
+    a lone query's raced loop cuts its crops beside the judge, not before it; alone on an idle
+    server (agent-only, one query) it is where it was."""
+    c = search_costs(large_decode_s=0.01, small_decode_s=0.01, funnel_pipeline=True,
+                     front_wait_s=0.005, phase_overlap=False, tool_s=0.03)
+    on = replace(c, client_cpu_on_engine=True)
+    free = replace(on, client_cpu_free_core=True)
+    d = sm.draw(c, 50, 0.3, 1.0, 0)
+    lat = {k: sm.simulate_one("speceyes", v, d, 1, judge="large").latencies[d.tool].mean()
+           for k, v in (("beside", c), ("on", on), ("free", free))}
+    assert lat["free"] < lat["on"] - 0.005  # the judge no longer waits for the crops
+    # as if beside the servers, up to where the cells meet the large server's step boundaries
+    assert lat["free"] == pytest.approx(lat["beside"], abs=0.005)
+    alone = [sm.simulate_one("agent-only", v, d, 1).latencies for v in (on, free)]
+    assert np.allclose(alone[0], alone[1])
+    with pytest.raises(ValueError, match="client_cpu_on_engine"):
+        replace(c, client_cpu_free_core=True).validate()
+
+
 def test_pipeline_early_agent_starts_a_lone_querys_loop_beside_the_front():
     """A query alone starts its loop with the judge: one that needs the agent no longer waits
     for the judge first; answered early, its loop's work is spent beside it. With most queries

@@ -180,6 +180,10 @@ class CostModel:
     # it. With it the image preprocessing is the client's: resizing and encoding a query's view
     # before each request that sends the whole image.
     client_cpu_on_engine: bool = False
+    # With ``client_cpu_on_engine`` and a server per model: the client's CPU work runs on the
+    # other server's device when the requesting one is busy and the other idle (the OS puts the
+    # client's thread on a free core), and on the requesting server's when both are busy.
+    client_cpu_free_core: bool = False
     front_batch: int = 16  # the funnel's batch_size
     front_wait_s: float = 0.01  # the serve app's max_wait_ms
     max_agent_loops: int = 32  # the funnel's max_agent_loops
@@ -236,6 +240,9 @@ class CostModel:
                              "and at least one decoded token per request")
         if self.funnel_pipeline and self.agent_workload != "search":
             raise ValueError("funnel_pipeline models the search agent's driver only")
+        if self.client_cpu_free_core and not self.client_cpu_on_engine:
+            raise ValueError("client_cpu_free_core places the client's CPU work among the "
+                             "servers' devices: it needs client_cpu_on_engine")
         if self.early_agent < 0:
             raise ValueError("early_agent must be >= 0")
         if min(self.front_batch, self.max_agent_loops) < 1 or self.front_wait_s < 0:

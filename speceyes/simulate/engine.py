@@ -126,6 +126,11 @@ class _Engine:
             return  # joins when a sequence leaves (or after the ones queued before it)
         self._join_next(t)
 
+    @property
+    def idle(self) -> bool:
+        """No step running and none about to start at this instant."""
+        return not self.busy and not self.kick
+
     def submit_cpu(self, t: float, seconds: float, cb: Callback, q: int) -> None:
         """``seconds`` of CPU work on this engine's device that is no model call (a CPU
         server's clients share its cores): paid serially in the next step, as a prefill is,

@@ -293,14 +293,31 @@ class _Run:
         """``req`` to ``engine`` at ``t``; one that carries the full image waits first for the
         server's CPU to decode and resize it (``image_preprocess_s``)."""
         pp = self.costs.image_preprocess_s if image else 0.0
-        if pp > 0 and self.costs.client_cpu_on_engine:  # on the engine's own cores
-            engine.submit_cpu(t, pp, lambda q_, t_: engine.submit(
-                t_, cls, req[0], req[1], req[2], req[3], cb, q_), q)
-        elif pp > 0:
-            self.sim.at(t + pp, lambda q_, t_: engine.submit(
+        if pp > 0:
+            self._client_cpu(engine, t, pp, lambda q_, t_: engine.submit(
                 t_, cls, req[0], req[1], req[2], req[3], cb, q_), q)
         else:
             engine.submit(t, cls, req[0], req[1], req[2], req[3], cb, q)
+
+    def _client_cpu(self, engine: _Engine, t: float, seconds: float, cb: Callback, q: int) -> None:
+        """The client's ``seconds`` of CPU work for a request to ``engine``, then ``cb(q, t)``:
+        beside the servers, or (``client_cpu_on_engine``) serial on ``engine``'s device; with
+        ``client_cpu_free_core`` on the other server's device while ``engine``'s is busy and
+        the other idle, judged after every other arrival of this instant (the servers' cores
+        are taken first by the work that arrives with it, whatever its order here)."""
+        c = self.costs
+        if not c.client_cpu_on_engine:
+            self.sim.at(t + seconds, cb, q)
+        elif not c.client_cpu_free_core or self.large is self.small:
+            engine.submit_cpu(t, seconds, cb, q)
+        else:
+            other = self.small if engine is self.large else self.large
+
+            def place(q_: int, t_: float) -> None:
+                on = other if not engine.idle and other.idle else engine
+                on.submit_cpu(t_, seconds, cb, q_)
+
+            self.sim.at(t, place, q)
 
     # agent loop (phase IV), shared by all schedules
     def _agent_start(self, q: int, t: float) -> None:
@@ -343,10 +360,8 @@ class _Run:
     # the search agent: rounds of cell scores, each round after the last, then the answer
     def _search_next(self, q: int, t: float) -> None:
         if self.turn[q] < self.costs.search_depth:
-            if self.costs.tool_s > 0 and self.costs.client_cpu_on_engine:
-                self.large.submit_cpu(t, self.costs.tool_s, self._search_round, q)
-            elif self.costs.tool_s > 0:  # the round's crops are cut on the CPU first
-                self.sim.at(t + self.costs.tool_s, self._search_round, q)
+            if self.costs.tool_s > 0:  # the round's crops are cut on the CPU first
+                self._client_cpu(self.large, t, self.costs.tool_s, self._search_round, q)
             else:
                 self._search_round(q, t)
             return
@@ -542,10 +557,10 @@ class _Run:
             return
         # the app cuts and encodes every searching loop's crops, one after another, first
         crop_s = self.costs.tool_s * len(searching)
-        if self.costs.client_cpu_on_engine and crop_s > 0:
-            self.large.submit_cpu(t, crop_s, self._driver_cells, 0)
+        if crop_s > 0:
+            self._client_cpu(self.large, t, crop_s, self._driver_cells, 0)
         else:
-            self.sim.at(t + crop_s, self._driver_cells, 0)
+            self.sim.at(t, self._driver_cells, 0)
 
     def _driver_cells(self, _: int, t: float) -> None:
         searching = [q for q in self.loops if self.turn[q] < self.costs.search_depth]
