@@ -291,7 +291,8 @@ class _Run:
         image: bool = False,
     ) -> None:
         """``req`` to ``engine`` at ``t``; one that carries the full image waits first for the
-        server's CPU to decode and resize it (``image_preprocess_s``)."""
+        image's preprocessing (``image_preprocess_s``: the server's, or with
+        ``client_cpu_on_engine`` the client's resizing and encoding; see ``_client_cpu``)."""
         pp = self.costs.image_preprocess_s if image else 0.0
         if pp > 0:
             self._client_cpu(engine, t, pp, lambda q_, t_: engine.submit(
