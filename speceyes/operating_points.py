@@ -385,12 +385,13 @@ class PointChooser:
     time. When the queue runs dry (no batch opened and no query settled for ``IDLE_TURNOVERS``
     turnovers) the stretch goes on afresh: the queries that refill it meet idle engines. A
     trial (a point's first stretch in a band, a contest's, a re-run, a fresh measure) lasts
-    until ``TRIAL_QUERIES`` of its queries have counted (half on each route: the early answers come back first, and would time the
-    point by its quick route), or ``TRIAL_MAX_BATCHES`` batches; the re-runs' waits are
-    counted in trials (a trial's batches times the wait in batches). With one query in flight
-    there is no queue to turn over, but a trial still runs ``TRIAL_QUERIES`` queries: one query
-    is one question, and one question's time says little of a point (on the real engine a
-    point tried on one query looked 17% slower than the one held and served 8% more).
+    until ``TRIAL_QUERIES`` of its queries have counted (half on each route: the early answers
+    come back first, and would time the point by its quick route), or ``TRIAL_MAX_BATCHES``
+    batches; the re-runs' waits are counted in trials (a trial's batches times the wait in
+    batches). With one query in flight there is no queue to turn over, but a trial still runs
+    ``TRIAL_QUERIES`` queries: one query is one question, and one question's time says little
+    of a point (on the real engine a point tried on one query looked 17% slower than the one
+    held and served 8% more).
 
     Thread-safe (agent loops end on another thread under the pipelined schedule)."""
 
