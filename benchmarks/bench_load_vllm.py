@@ -21,7 +21,8 @@ questions to every mode:
 Modes are interleaved in time: for each C, ``--rounds`` rounds, and in each round every mode
 serves one batch of requests in turn (the order rotates by round), so load from other processes
 on the machine falls on all modes alike. A round scores ``--requests`` requests after its first
-C, all sent under the full load (:func:`closed_loop`). Per mode and C it prints throughput (C
+C, all sent under the full load (:func:`closed_loop`); where 4C <= ``--short-rounds`` (C = 1 and
+4) the rounds are four times as many and a quarter as long, the same requests in all. Per mode and C it prints throughput (C
 over the scored requests' mean latency, Little's law for a closed loop; the answers counted
 in a window beside it), client-side p50/p95 latency, accuracy, the share the small model
 answered, and throughput and p50 against agent-only at the same C; and per query the CPU each
@@ -128,6 +129,13 @@ CLIENT_TIMEOUT_S = 900.0
 # at 64 (10-15 s) auto's rounds against the best static mode's still spread by 0.93-1.01 at
 # one client (run 44), where the modes are 4% apart
 MIN_REQUESTS = 128
+# rounds at low C (``--short-rounds``): this machine slows down by 20-35% for a minute or two at a
+# time (run 58, C=1 round 1; run 59, C=1 round 3: the two blocks of 128 that met it, 45-60 s
+# each, read 20-35% slower than their modes' other rounds), so in rounds of 128 such a spell
+# falls on one or two of five modes. Where 4C <= 32 a mode's turn of 32 takes 11-16 s at C=1, and
+# a spell then spans every mode's turn of a round or two. Each mode still serves --rounds x
+# MIN_REQUESTS scored requests at that C, as before
+SHORT_ROUND_REQUESTS = 32
 # auto's untimed requests at a new load, in trials of max(4C, 64) requests each: a trial (a
 # turnover of the queue, then PointChooser.TRIAL_QUERIES counted, half of them from the agent)
 # takes up to that many at C = 16 and 64 (run 27 timed part of agent-only's first trial with
@@ -138,6 +146,18 @@ SETTLE_TRIAL_REQUESTS = 64
 # auto's interval against the best other mode (vs_best_interval): resamples and coverage
 INTERVAL_RESAMPLES = 4000
 INTERVAL_LEVEL = 0.95
+
+
+def round_plan(c: int, rounds: int, requests: int, short: int) -> tuple[int, int]:
+    """Requests per round and rounds at ``c`` clients: ``requests`` (``--requests``) or
+    max(4C, MIN_REQUESTS) per round, ``rounds`` of them; with ``short`` (``--short-rounds``) and no
+    ``requests``, where 4C <= ``short``, rounds of ``short`` instead, as many as keep each mode's
+    scored requests at ``rounds`` x MIN_REQUESTS (rounded up to whole rounds)."""
+    if requests:
+        return requests, rounds
+    if short and 4 * c <= short:
+        return short, -(-rounds * MIN_REQUESTS // short)
+    return max(4 * c, MIN_REQUESTS), rounds
 
 
 def settle_requests(c: int) -> int:
@@ -231,6 +251,7 @@ class Cell:
             "mode": self.mode,
             "concurrency": self.concurrency,
             "requests": n,
+            "rounds": len(self.rounds),
             "errors": self.errors,
             "qps": self._little(scored),
             "round_qps": [round(x, 4) for x in self.round_qps],
@@ -789,6 +810,16 @@ def main() -> int:
         "sends C untimed requests before its window and drains those in flight after it",
     )
     ap.add_argument(
+        "--short-rounds",
+        type=int,
+        default=SHORT_ROUND_REQUESTS,
+        metavar="N",
+        help="where 4C <= N and --requests is not given, rounds of N requests, --rounds x "
+        f"{MIN_REQUESTS} / N of them: each mode serves as many requests as in --rounds rounds "
+        f"of {MIN_REQUESTS}, in shorter turns, so that a slow spell of the machine lasting a "
+        f"minute falls on every mode (default {SHORT_ROUND_REQUESTS}: C = 1 and 4; 0: off)",
+    )
+    ap.add_argument(
         "--settle",
         type=int,
         default=-1,
@@ -859,6 +890,8 @@ def main() -> int:
         return serve_app(args.serve_app)
     if args.busy < 0:
         ap.error("--busy takes a count >= 0")
+    if args.short_rounds < 0:
+        ap.error("--short-rounds takes a count >= 0 (0: off)")
     cs = [int(x) for x in args.concurrency.split(",") if x.strip()]
     if args.with_64 and 64 not in cs:
         cs.append(64)
@@ -952,13 +985,13 @@ def main() -> int:
             else:
                 groups["app"] = [os.getpid()]
             for c in cs:
-                n = args.requests or max(4 * c, MIN_REQUESTS)
+                n, rounds = round_plan(c, args.rounds, args.requests, args.short_rounds)
                 settle = settle_requests(c) if args.settle < 0 else args.settle
                 for m in modes:
                     if settle and m.judge == AUTO:  # untimed: the trials of a load new to it
                         asyncio.run(closed_loop(urls[m.label], bodies, queries, 0, settle, c, 0))
                         print(f"C={c} {m.label}: settled on {settle} requests", flush=True)
-                for r in range(args.rounds):
+                for r in range(rounds):
                     for j in range(len(modes)):  # the order rotates by round
                         m = modes[(j + r) % len(modes)]
                         cell = cells.setdefault((m.label, c), Cell(m.label, c))

@@ -190,7 +190,8 @@ def main() -> int:
     rounds = int((real.get("args") or {}).get("rounds") or 1)
     for r in rows:
         if r["mode"] == AGENT_ONLY and r.get("requests"):
-            PER_ROUND[int(r["concurrency"])] = max(1, int(r["requests"]) // rounds)
+            per = int(r.get("rounds") or rounds)  # a row's own rounds (--short-rounds)
+            PER_ROUND[int(r["concurrency"])] = max(1, int(r["requests"]) // per)
     costs = CostModel.from_file(args.costs)
     for item in args.set:
         key, _, value = item.partition("=")

@@ -119,6 +119,24 @@ def test_load_benchmark_pairs_rounds_for_its_ratios():
     assert lines[2].startswith("C=4: auto@hold=0 3.00 queries/s = 2.250 x the best other mode (a")
 
 
+def test_load_benchmark_shortens_rounds_at_low_concurrency():
+    """Where 4C fits a short round, a C's rounds are shorter and more, each mode serving the
+    same scored requests in all; --requests, or a C too large for a short round, keeps them."""
+    bench = _load(BENCHMARKS / "bench_load_vllm.py")
+    plan, full = bench.round_plan, bench.MIN_REQUESTS
+    assert plan(1, 4, 0, 32) == (32, 4 * full // 32)
+    assert plan(8, 4, 0, 32) == (32, 4 * full // 32)
+    assert plan(16, 4, 0, 32) == (max(64, full), 4)
+    assert plan(64, 4, 0, 32) == (256, 4)
+    assert plan(1, 4, 0, 0) == (full, 4)  # off
+    assert plan(1, 4, 50, 32) == (50, 4)  # --requests given
+    assert plan(1, 3, 0, 40) == (40, 10)  # whole rounds, rounded up (9.6)
+    cell = bench.Cell("agent-only", 1)
+    for _ in range(3):
+        cell.add_round([bench.Sample(0.5, True, "agent")], 0, 0.5)
+    assert cell.summary()["rounds"] == 3
+
+
 def test_load_benchmark_bounds_auto_against_the_best_other_mode():
     """auto's interval against the best other mode: requests pair by their place in a round
     (not by the order they came back in), and the best mode is chosen again in each resample,
