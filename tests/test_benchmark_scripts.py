@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import random
 import sys
 import time
 from pathlib import Path
@@ -135,6 +136,51 @@ def test_load_benchmark_shortens_rounds_at_low_concurrency():
     for _ in range(3):
         cell.add_round([bench.Sample(0.5, True, "agent")], 0, 0.5)
     assert cell.summary()["rounds"] == 3
+
+
+def _one_client_run(folder, times, per_round=4, rounds=2, questions=4):
+    """A load run's files at one client: each static mode's time per question, every round."""
+    folder.mkdir()
+    rows = [{"mode": "agent-only", "concurrency": 1, "requests": per_round * rounds,
+             "rounds": rounds}]
+    (folder / "results.json").write_text(json.dumps(
+        {"questions": questions, "args": {"settle": "40"}, "rows": rows}))
+    with (folder / "samples.jsonl").open("w") as f:
+        for mode, per_question in times.items():
+            for r in range(rounds):
+                start = (r * per_round) % questions
+                for i in range(per_round):
+                    seconds, early = per_question[(start + i) % questions]
+                    f.write(json.dumps({"mode": mode, "concurrency": 1, "round": r, "index": i,
+                                        "scored": True, "latency_s": seconds,
+                                        "route": "small" if early else "agent"}) + "\n")
+
+
+def test_auto_replayed_at_one_client_finds_the_quicker_point(tmp_path, capsys):
+    """The chooser itself, replayed on static cells' times per question: it runs the quicker
+    point for most queries and is scored by the cells' times, so equal points score 1 exactly;
+    the questions are those the load benchmark sent in each round."""
+    replay = _load(BENCHMARKS / "replay_auto_one_client.py")
+    from speceyes.operating_points import OperatingPoint
+
+    points = [OperatingPoint("large", 0.9, 0.5, 1.0), OperatingPoint("none", 0.9, 0.5, 1.0)]
+    slow = {q: (0.5 + 0.1 * q, q % 2 == 0) for q in range(4)}
+    quick = {q: (0.3 + 0.1 * q, q % 2 == 0) for q in range(4)}
+    _one_client_run(tmp_path / "run", {"speceyes/large": slow, "speceyes/none": quick},
+                    per_round=3)
+    plan = replay.plan_of(json.loads((tmp_path / "run" / "results.json").read_text()))
+    assert (plan.questions, plan.per_round, plan.rounds, plan.settle) == (4, 3, 2, 40)
+    times = replay.cell_times(tmp_path / "run" / "samples.jsonl", plan)
+    # rounds of 3 on 4 questions: round 0 asks 0, 1, 2 and round 1 asks 3, 0, 1
+    assert times[("speceyes/none", 0)] == [(0.3, True), (0.3, True)]
+    assert len(times[("speceyes/none", 2)]) == len(times[("speceyes/none", 3)]) == 1
+    ratio, used = replay.replay(points, times, plan, random.Random(0))
+    assert used["none"] > 0.8 * sum(used.values()) and 0.97 <= ratio <= 1.0
+    # drift moves what auto sees, not what it is scored by: equal cells score 1 whatever it ran
+    _one_client_run(tmp_path / "same", {"speceyes/large": quick, "speceyes/none": quick})
+    same = replay.plan_of(json.loads((tmp_path / "same" / "results.json").read_text()))
+    times = replay.cell_times(tmp_path / "same" / "samples.jsonl", same)
+    assert replay.replay(points, times, same, random.Random(1), drift=0.2)[0] == pytest.approx(1.0)
 
 
 def test_load_benchmark_bounds_auto_against_the_best_other_mode():
