@@ -129,9 +129,9 @@ CLIENT_TIMEOUT_S = 900.0
 # at 64 (10-15 s) auto's rounds against the best static mode's still spread by 0.93-1.01 at
 # one client (run 44), where the modes are 4% apart
 MIN_REQUESTS = 128
-# rounds at low C (``--short-rounds``): this machine slows down by 20-35% for a minute or two at a
+# rounds at low C (``--short-rounds``): this machine slows down by 15-35% for a minute or two at a
 # time (run 58, C=1 round 1; run 59, C=1 round 3: the two blocks of 128 that met it, 45-60 s
-# each, read 20-35% slower than their modes' other rounds), so in rounds of 128 such a spell
+# each, read 15-36% slower than their modes' other rounds), so in rounds of 128 such a spell
 # falls on one or two of five modes. Where 4C <= 32 a mode's turn of 32 takes 11-16 s at C=1, and
 # a spell then spans every mode's turn of a round or two. Each mode still serves --rounds x
 # MIN_REQUESTS scored requests at that C, as before
