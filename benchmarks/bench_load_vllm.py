@@ -21,23 +21,23 @@ questions to every mode:
 Modes are interleaved in time: for each C, ``--rounds`` rounds, and in each round every mode
 serves one batch of requests in turn (the order rotates by round), so load from other processes
 on the machine falls on all modes alike. A round scores ``--requests`` requests after its first
-C, all sent under the full load (:func:`closed_loop`); where 4C <= ``--short-rounds`` (C = 1 and
-4) the rounds are four times as many and a quarter as long, the same requests in all. Per mode and C it prints throughput (C
-over the scored requests' mean latency, Little's law for a closed loop; the answers counted
-in a window beside it), client-side p50/p95 latency, accuracy, the share the small model
-answered, and throughput and p50 against agent-only at the same C; and per query the CPU each
-process used and the time a request spent outside its server's own clock (the client's latency
-less the server's ``total``: the HTTP round trip and the wait for an interpreter to read the
-request and the response, which a funnel timing its queries cannot see). Writes OUT/results.json,
-OUT/table.md, OUT/samples.jsonl (every answer of the timed rounds, written as each round ends)
-and, with ``--points``, OUT/auto-decisions.log (each of auto's choices, why, and
-the times it compared). The vLLM servers are always stopped (their process groups), also on Ctrl-C,
-SIGTERM or SIGHUP.
+C, all sent under the full load (:func:`closed_loop`); where 4C <= ``--short-rounds`` (by
+default C = 1 and 4) the rounds are that many requests long, and more of them, the same requests
+per mode in all. Per mode and C it prints throughput (C over the scored requests' mean latency,
+Little's law for a closed loop; the answers counted in a window beside it), client-side p50/p95
+latency, accuracy, the share the small model answered, and throughput and p50 against agent-only
+at the same C; and per query the CPU each process used and the time a request spent outside its
+server's own clock (the client's latency less the server's ``total``: the HTTP round trip and
+the wait for an interpreter to read the request and the response, which a funnel timing its
+queries cannot see). Writes OUT/results.json, OUT/table.md, OUT/samples.jsonl (every answer of
+the timed rounds, written as each round ends) and, with ``--points``, OUT/auto-decisions.log
+(each of auto's choices, why, and the times it compared). The vLLM servers are always stopped
+(their process groups), also on Ctrl-C, SIGTERM or SIGHUP.
 
     python benchmarks/bench_load_vllm.py [--concurrency 1,4,16] [--with-64] [--rounds 3]
-        [--requests 0] [--settle -1] [--scenes 8] [--judges large,prefix,none] [--points FILE]
-        [--placement split] [--executor uni] [--apps process] [--equal-hardware] [--busy 0]
-        [--out runs/bench-load-vllm]
+        [--requests 0] [--short-rounds 32] [--settle -1] [--scenes 8] [--judges large,prefix,none]
+        [--points FILE] [--placement split] [--executor uni] [--apps process] [--equal-hardware]
+        [--busy 0] [--out runs/bench-load-vllm]
 
 Placement (``--placement``). ``split`` (default) binds each server's engine threads to cores of
 its own (the small model the first half of this process's cores, the large model the rest);
