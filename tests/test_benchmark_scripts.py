@@ -156,7 +156,7 @@ def _one_client_run(folder, times, per_round=4, rounds=2, questions=4):
                                         "route": "small" if early else "agent"}) + "\n")
 
 
-def test_auto_replayed_at_one_client_finds_the_quicker_point(tmp_path, capsys):
+def test_auto_replayed_at_one_client_finds_the_quicker_point(tmp_path):
     """The chooser itself, replayed on static cells' times per question: it runs the quicker
     point for most queries and is scored by the cells' times, so equal points score 1 exactly;
     the questions are those the load benchmark sent in each round."""
