@@ -131,7 +131,7 @@ CLIENT_TIMEOUT_S = 900.0
 MIN_REQUESTS = 128
 # rounds at low C (``--short-rounds``): this machine slows down by 15-35% for a minute or two at a
 # time (run 58, C=1 round 1; run 59, C=1 round 3: the two blocks of 128 that met it, 45-60 s
-# each, read 15-36% slower than their modes' other rounds), so in rounds of 128 such a spell
+# each, read 15-35% slower than their modes' other rounds), so in rounds of 128 such a spell
 # falls on one or two of five modes. Where 4C <= 32 a mode's turn of 32 takes 11-16 s at C=1, and
 # a spell then spans every mode's turn of a round or two. Each mode still serves --rounds x
 # MIN_REQUESTS scored requests at that C, as before
