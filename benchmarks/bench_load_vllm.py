@@ -160,6 +160,12 @@ def round_plan(c: int, rounds: int, requests: int, short: int) -> tuple[int, int
     return max(4 * c, MIN_REQUESTS), rounds
 
 
+def round_start(r: int, n: int, questions: int) -> int:
+    """The question that round ``r`` of ``n`` requests starts at: every mode asks the same
+    questions in a round (cyclically from there)."""
+    return (r * n) % questions
+
+
 def settle_requests(c: int) -> int:
     """auto's default untimed requests at ``c`` clients (``--settle -1``)."""
     return SETTLE_TRIALS * max(4 * c, SETTLE_TRIAL_REQUESTS)
@@ -995,7 +1001,7 @@ def main() -> int:
                     for j in range(len(modes)):  # the order rotates by round
                         m = modes[(j + r) % len(modes)]
                         cell = cells.setdefault((m.label, c), Cell(m.label, c))
-                        start = (r * n) % len(queries)  # every mode the same queries per round
+                        start = round_start(r, n, len(queries))
                         before = {g: cpu_seconds(p) for g, p in groups.items()}
                         run = asyncio.run(
                             closed_loop(urls[m.label], bodies, queries, start, n, c)

@@ -37,13 +37,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for folder in (ROOT, ROOT / "benchmarks"):
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+
+import bench_load_vllm as blv  # noqa: E402
 
 from speceyes.operating_points import OperatingPoint, PointChooser, read_points  # noqa: E402
 
-AGENT_ONLY = "agent-only"
-SMALL_ROUTE = "small"  # bench_load_vllm's route of an answer the small model gave
 BAR = 0.97  # the load issue's target: auto >= 0.97 x the best other mode
 DRIFT_TIME_S = 60.0  # the drift's time constant: this machine's slow spells last a minute or two
 CLIENT_GAP_S = 0.005  # from one answer to the next request at one client (the client's own time)
@@ -52,7 +53,7 @@ IDLE_S = 60.0  # between two of auto's rounds, the other modes' turns
 
 def mode_of(point: OperatingPoint) -> str:
     """The load benchmark's static mode that runs ``point``."""
-    return AGENT_ONLY if point.name == "agent" else f"speceyes/{point.name}"
+    return blv.AGENT_ONLY if point.name == "agent" else f"speceyes/{point.name}"
 
 
 @dataclass
@@ -67,15 +68,14 @@ class Plan:
 
 def plan_of(results: dict) -> Plan:
     """The run's question count, rounds and settle at C=1, from its results file."""
-    rows = [r for r in results["rows"] if r["concurrency"] == 1 and r["mode"] == AGENT_ONLY]
+    rows = [r for r in results["rows"] if r["concurrency"] == 1 and r["mode"] == blv.AGENT_ONLY]
     if not rows:
         raise SystemExit("the run has no agent-only cell at one client")
     args = results.get("args") or {}
     rounds = int(rows[0].get("rounds") or args.get("rounds") or 1)
     settle = int(args.get("settle") or -1)
-    if settle < 0:  # the benchmark's default (bench_load_vllm.settle_requests at C=1)
-        trials = 4 + 3 * (PointChooser.CONTEST_TRIALS - 1)
-        settle = trials * 64
+    if settle < 0:  # the benchmark's default
+        settle = blv.settle_requests(1)
     return Plan(int(results["questions"]), int(rows[0]["requests"]) // rounds, rounds, settle)
 
 
@@ -88,9 +88,9 @@ def cell_times(samples: Path, plan: Plan) -> dict[tuple[str, int], list[tuple[fl
             s = json.loads(line)
             if s["concurrency"] != 1 or not s["scored"] or "auto" in s["mode"]:
                 continue
-            start = (s["round"] * plan.per_round) % plan.questions  # as bench_load_vllm sends
+            start = blv.round_start(s["round"], plan.per_round, plan.questions)
             q = (start + s["index"]) % plan.questions
-            out[(s["mode"], q)].append((s["latency_s"], s["route"] == SMALL_ROUTE))
+            out[(s["mode"], q)].append((s["latency_s"], s["route"] == blv.SMALL_ROUTE))
     return out
 
 
@@ -140,7 +140,7 @@ def replay(
     for i in range(plan.settle):
         ask(i % plan.questions, timed=False)
     for r in range(plan.rounds):
-        start = (r * plan.per_round) % plan.questions
+        start = blv.round_start(r, plan.per_round, plan.questions)
         for i in range(plan.per_round + 1):  # the round's first request is unscored
             ask((start + i) % plan.questions, timed=i > 0)
         clock.now += IDLE_S
