@@ -16,7 +16,7 @@ from speceyes.agents.search import SearchAgent
 from speceyes.cli import main
 from speceyes.factory import Settings
 from speceyes.miniworld import demo as mwdemo
-from speceyes.miniworld.summary import zoom_on_target
+from speceyes.miniworld.summary import _plain_log_label, zoom_on_target
 from speceyes.rates import analytic_speedup
 
 SPLITS = ("small-targets", "large-targets")
@@ -527,3 +527,12 @@ def test_zoom_on_target_counts_last_zooms_holding_the_target(demo_run):
     recs = RunDir(demo_run / "runs" / "small-targets" / "agent").records()
     assert s["rows"]["small-targets"]["agent"]["zoom_on_target"] == zoom_on_target(recs)
     assert "last crop holds the whole target" in (demo_run / "summary.md").read_text()
+
+
+def test_demo_plot_labels_its_log_axis_in_plain_decimals_at_1_2_and_5() -> None:
+    """The plot's time axis spans about 0.03-0.6 s: labelled at every minor tick in scientific
+    notation its labels overlapped; only 1, 2 and 5 per decade are labelled, as plain numbers."""
+    labels = {v: _plain_log_label(v) for v in (0.03, 0.05, 0.1, 0.2, 0.3, 0.5, 2.0, 40.0)}
+    assert labels == {0.03: "", 0.05: "0.05", 0.1: "0.1", 0.2: "0.2", 0.3: "", 0.5: "0.5",
+                      2.0: "2", 40.0: ""}
+    assert _plain_log_label(0.0) == ""

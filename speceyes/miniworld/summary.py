@@ -8,6 +8,7 @@ one ordinary ``speceyes eval`` run folder per size split and mode.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -182,6 +183,15 @@ def checks(out: Path, modes: list[str], tau: float, summary: dict[str, Any]) -> 
     return extra
 
 
+def _plain_log_label(value: float, _pos: int | None = None) -> str:
+    """A log axis' tick label: the value in plain decimals where its leading digit is 1, 2 or 5,
+    else none."""
+    if value <= 0:
+        return ""
+    lead = round(value / 10 ** math.floor(math.log10(value)), 6)
+    return f"{value:g}" if lead in (1.0, 2.0, 5.0) else ""
+
+
 def plot_demo(
     summary: dict[str, Any], curve: dict[str, list[float]] | None, tau: float, out_png: Path
 ) -> Path:
@@ -191,6 +201,7 @@ def plot_demo(
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     markers = {"small-targets": "o", "large-targets": "s", "all": "*"}
@@ -208,6 +219,10 @@ def plot_demo(
                 label=f"{MODE_LABEL[mode]}, {SPLIT_LABEL[split]}",
             )
     ax1.set_xscale("log")
+    # plain decimals at 1, 2 and 5 per decade: matplotlib's default labels every minor tick of a
+    # short log range in scientific notation, and they overlap
+    ax1.xaxis.set_major_formatter(FuncFormatter(_plain_log_label))
+    ax1.xaxis.set_minor_formatter(FuncFormatter(_plain_log_label))
     ax1.set_xlabel("seconds per query (log scale)")
     ax1.set_ylabel("accuracy")
     ax1.set_title("accuracy against time, per mode and split")
@@ -217,7 +232,8 @@ def plot_demo(
         ax2.plot(curve["tau"], curve["accuracy"], color="tab:green", label="SpecEyes (replayed)")
         ax2b = ax2.twinx()
         ax2b.plot(
-            curve["tau"], curve["small_share"], color="tab:green", ls=":", label="answered by small"
+            curve["tau"], curve["small_share"], color="tab:green", ls=":",
+            label="answered by the small model (right axis)",
         )
         ax2b.set_ylabel("share answered by the small model")
         ax2b.set_ylim(0, 1)
@@ -231,7 +247,9 @@ def plot_demo(
         ax2.set_xlabel("tau (gate threshold)")
         ax2.set_ylabel("accuracy, all questions")
         ax2.set_title(f"accuracy against tau (demo tau {tau:g})")
-        ax2.legend(fontsize=7, loc="lower left")
+        lines, labels = ax2.get_legend_handles_labels()
+        more, more_labels = ax2b.get_legend_handles_labels()  # the dotted share, on its own axis
+        ax2.legend(lines + more, labels + more_labels, fontsize=7, loc="lower left")
         ax2.grid(alpha=0.3)
     fig.tight_layout()
     out_png.parent.mkdir(parents=True, exist_ok=True)
