@@ -42,9 +42,20 @@ def models(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def demo_run(models, tmp_path_factory):
+    """The demo as `make demo` runs it: its batches on worker processes (two on a machine of two
+    cores or more)."""
     out = tmp_path_factory.mktemp("mw-demo") / "out"
     rc = main(["demo", "--models", str(models), "--out", str(out), "--no-progress"])
     assert rc == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def demo_run_in_process(models, tmp_path_factory):
+    """The demo with ``--workers 1``: every batch in the calling process."""
+    out = tmp_path_factory.mktemp("mw-demo-1") / "out"
+    args = ["demo", "--models", str(models), "--out", str(out), "--no-progress", "--workers", "1"]
+    assert main(args) == 0
     return out
 
 
@@ -113,6 +124,7 @@ def test_table_rows_and_columns(demo_run):
     assert s["settings"]["extra"]["training"] == MANIFEST["training"]
     assert s["split"]["n_scenes"] == 2 and s["split"]["level"] == 1
     assert s["threads"]["torch"] >= 1 and "omp_wait_policy" in s["threads"]
+    assert s["threads"]["workers"] == mwdemo.default_workers()
 
 
 def test_checks_targets_plot_and_viewer(demo_run):
@@ -248,20 +260,74 @@ def _segments(out: Path) -> list[tuple[float, str, str, int]]:
     return sorted(segs)
 
 
-def test_modes_of_both_splits_take_turns_batch_by_batch(demo_run):
-    """Each run is one segment per batch, and the batches of all six runs (both splits' modes)
-    alternate in one rotating order: 1 2 3 4 5 6, then 2 3 4 5 6 1, then 3 4 5 6 1 2, so a
-    load that changes during the demo falls on every mode of every split alike."""
+def _rotating_order(out: Path) -> list[tuple[str, str, int]]:
+    """(split, mode, questions) of every batch of the six runs (both splits' modes) in one
+    rotating order: 1 2 3 4 5 6, then 2 3 4 5 6 1, then 3 4 5 6 1 2, ..."""
     bs = MANIFEST["batch_size"]
-    n = _results(demo_run, SPLITS[0], "agent")["n"]
-    assert all(_results(demo_run, split, "agent")["n"] == n for split in SPLITS)
+    n = _results(out, SPLITS[0], "agent")["n"]
+    assert all(_results(out, split, "agent")["n"] == n for split in SPLITS)
     sizes = [min(bs, n - i) for i in range(0, n, bs)]
     assert len(sizes) >= 3  # enough batches for the splits to change places
     runs = [(split, m) for split in SPLITS for m in MODES]
-    expected = [
-        (*run, size) for b, size in enumerate(sizes) for run in runs[b % 6 :] + runs[: b % 6]
-    ]
-    assert [(s, m, q) for _, s, m, q in _segments(demo_run)] == expected
+    return [(*run, size) for b, size in enumerate(sizes) for run in runs[b % 6 :] + runs[: b % 6]]
+
+
+def test_modes_of_both_splits_take_turns_batch_by_batch(demo_run_in_process):
+    """In one process each run is one segment per batch, in the rotating order exactly, so a
+    load that changes during the demo falls on every mode of every split alike."""
+    segments = [(s, m, q) for _, s, m, q in _segments(demo_run_in_process)]
+    assert segments == _rotating_order(demo_run_in_process)
+
+
+def test_workers_take_the_batches_in_turn_one_per_run_at_a_time(demo_run):
+    """On worker processes the batches start in the same rotating order (two started together
+    may swap), a run's batches one after another (one writer per folder), and the workers'
+    batches overlap in time: each runs on a core of its own."""
+    workers = mwdemo.default_workers()
+    if workers < 2:
+        pytest.skip("one CPU: the demo runs its batches in its own process")
+    expected = _rotating_order(demo_run)
+    turn = {}  # (split, mode, batch index) -> its place in the rotating order
+    for split, mode, _ in expected:
+        b = sum(1 for k in turn if k[:2] == (split, mode))
+        turn[split, mode, b] = len(turn)
+    timed = []  # (started, seconds, split, mode, batch index, questions)
+    for split in SPLITS:
+        for mode in MODES:
+            state = json.loads((demo_run / "runs" / split / mode / "run.json").read_text())
+            segs = state["segments"]
+            for a, b in zip(segs, segs[1:], strict=False):  # never two batches of a run at once
+                assert b["started"] >= a["started"] + a["seconds"] - 0.01, (split, mode)
+            timed += [
+                (seg["started"], seg["seconds"], split, mode, i, seg["queries"])
+                for i, seg in enumerate(segs)
+            ]
+    timed.sort()
+    assert sorted((s, m, q) for *_, s, m, _, q in timed) == sorted(expected)
+    for rank, (_, _, split, mode, b, _) in enumerate(timed):  # within a place of its turn
+        assert abs(turn[split, mode, b] - rank) < workers, (split, mode, b)
+    overlaps = sum(
+        1 for (t0, d0, *_), (t1, *_) in zip(timed, timed[1:], strict=False) if t1 < t0 + d0
+    )
+    assert overlaps > 0
+
+
+def test_next_batches_keep_the_order_and_one_batch_per_run():
+    """The dispatcher takes batches from the front of the schedule, skips (and keeps for later)
+    those of a run with a batch in flight, and drops those with nothing left to run."""
+    from types import SimpleNamespace
+
+    from speceyes.miniworld.workers import _next_batches
+
+    a, b, c = (SimpleNamespace(name=x, pending=lambda i: True) for x in "abc")
+    c.pending = lambda i: i != 0  # c's batch 0 is logged already
+    waiting = [(a, 0), (c, 0), (a, 1), (b, 0), (c, 1), (b, 1)]
+    picked = _next_batches(waiting, [], 2)
+    assert [(r.name, i) for r, i in picked] == [("a", 0), ("b", 0)]
+    assert [(r.name, i) for r, i in waiting] == [("a", 1), ("c", 1), ("b", 1)]
+    assert [(r.name, i) for r, i in _next_batches(waiting, [a, b], 2)] == [("c", 1)]
+    assert [(r.name, i) for r, i in waiting] == [("a", 1), ("b", 1)]
+    assert _next_batches(waiting, [a, b], 1) == [] and len(waiting) == 2
 
 
 def test_schedule_spreads_a_shorter_run_and_keeps_each_runs_order():
@@ -331,9 +397,22 @@ def _without_timings(records: list[dict]) -> list[dict]:
     ]
 
 
-def test_interleaved_runs_match_uninterrupted_runs(demo_run, models, tmp_path):
-    """Taking turns changes nothing but the timings: every mode run on its own on each split,
-    in one run_eval call over the whole split, logs the same records, in the same order."""
+@pytest.fixture
+def worker_threads():
+    """This process on the threads a demo worker runs on, so that its sums add up alike."""
+    import torch
+
+    before = torch.get_num_threads()
+    workers = mwdemo.default_workers()
+    torch.set_num_threads(mwdemo.threads_per_worker(workers) if workers > 1 else before)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_interleaved_runs_match_uninterrupted_runs(demo_run, models, tmp_path, worker_threads):
+    """Taking turns, on worker processes, changes nothing but the timings: every mode run on
+    its own on each split, in one run_eval call over the whole split in this process, logs the
+    same records, in the same order."""
     from speceyes.bench.datasets import load_jsonl
     from speceyes.bench.runner import EvalSpec, run_eval
     from speceyes.factory import build_funnel, make_agent, make_backend

@@ -5,8 +5,10 @@ target size, and agent-only, small-only and SpecEyes on both sizes (six runs) ta
 by batch through the evaluation harness (:mod:`speceyes.miniworld.interleave` over
 :func:`speceyes.bench.runner.run_eval`): batch 1 of each run, then batch 2 in a rotated order,
 and so on, so a change of machine load falls on every mode of every split alike, and the
-speedup over all questions is as fair as the one within a split. A run's time is the sum of its
-own batches' times, wall-clock and process CPU (all threads). Every run folder is an ordinary
+speedup over all questions is as fair as the one within a split. The batches run on worker
+processes, each one batch at a time on its share of the cores (:mod:`speceyes.miniworld.workers`),
+so another process's load slows every mode alike. A run's time is the sum of its own batches'
+times, wall-clock and process CPU (all threads). Every run folder is an ordinary
 ``speceyes eval`` folder (``samples.jsonl``, ``results.json``, ``plots/``) that ``speceyes
 report``, ``speceyes regate`` and ``speceyes view`` read. The table at the end (also
 ``summary.md`` and ``summary.json``) compares the modes and puts the measured SpecEyes speedup
@@ -33,6 +35,7 @@ import json
 import os
 import shutil
 import sys
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -52,6 +55,13 @@ from speceyes.miniworld.summary import (
     summarize_demo,
     write_viewer,
 )
+from speceyes.miniworld.workers import (
+    RunPlan,
+    WorkerPlan,
+    default_workers,
+    run_on_workers,
+    threads_per_worker,
+)
 
 if TYPE_CHECKING:
     from speceyes.factory import Settings
@@ -61,6 +71,7 @@ MODELS_DIR = Path(__file__).resolve().parent / "models"  # level 1, the default
 LEVEL_MODELS = {1: MODELS_DIR, 2: Path(__file__).resolve().parent / "models_level2"}
 LEVELS = tuple(LEVEL_MODELS)
 ROLES = ("small", "large")
+MODE_ROLES = {"agent": ("large",), "small": ("small",), "speceyes": ROLES}  # the models it runs
 DATA_DIR = "data"
 TRAIN_HINT = (
     "Train and export them with `speceyes miniworld train --out runs/mw --role small|large "
@@ -130,9 +141,12 @@ EPILOG = (
     "instead of the search agent; other keys (training metadata) are carried into summary.json. "
     "Time per query is a run's wall time (and its process CPU time) over its questions; after "
     "one warm-up call per model, the modes of both size splits run in turns, batch by batch in "
-    "one rotating order, so a change of machine load falls on all of them alike; the speedup "
-    "over all questions is total agent-only time / total time of the mode; per category only "
-    "accuracy is reported. Threads: torch's default (set OMP_NUM_THREADS to change it); "
+    "one rotating order, so a change of machine load falls on all of them alike; the batches "
+    "run on --workers processes, one batch each at a time on its share of the cores, so that "
+    "another process's load slows every mode by the same share; the speedup over all "
+    "questions is total agent-only time / total time of the mode; per category only accuracy "
+    "is reported. Threads: per worker, the cores / workers (set OMP_NUM_THREADS to change it; "
+    "with --workers 1, torch's default); "
     f"OMP_WAIT_POLICY defaults to {OMP_WAIT_POLICY} (threads waiting at a barrier sleep instead "
     "of spinning, so on a busy machine a thread whose partner lost its core does not burn its "
     "own time slice; set it to ACTIVE for OpenMP's spinning)."
@@ -267,6 +281,18 @@ def _write_subsets(data: Path, rows: list[dict[str, Any]]) -> None:
 # ---------------------------------------------------------------------------------------- runs
 
 
+def load_models(settings: Settings, roles: Sequence[str]) -> tuple[dict[str, Any], Any]:
+    """The backends of ``roles`` and one agent on the large one, shared by every mode's funnel
+    (built as build_funnel would build it)."""
+    from speceyes.factory import make_agent, make_backend
+
+    specs = {"small": settings.small, "large": settings.large}
+    backends = {r: make_backend(specs[r], settings=settings.backend) for r in ROLES if r in roles}
+    resolved = settings.resolved()
+    agent = make_agent(resolved.agent, backends["large"]) if "large" in backends else None
+    return backends, agent
+
+
 def warm_up(backends: dict[str, Any], data: Path) -> None:
     """One short call per backend (first-call allocations and lazy init stay out of the timed
     runs), and every image of the split read once (so no run pays cold disk reads)."""
@@ -287,18 +313,20 @@ def warm_up(backends: dict[str, Any], data: Path) -> None:
 
 
 def _identity(key: dict, size: str, mode: str, prints: dict[str, str], s: Settings) -> dict:
-    roles = {"agent": ("large",), "small": ("small",), "speceyes": ROLES}[mode]
     return {
         "split": key,
         "target_size": size,
-        "models": {r: prints[r] for r in roles},  # retrained weights under the same path
+        "models": {r: prints[r] for r in MODE_ROLES[mode]},  # retrained weights under the same path
         "agent": None if mode == "small" else asdict(s.resolved().agent),
     }
 
 
-def run_all(runs: dict[tuple[str, str], ModeRun], progress: bool) -> None:
+def run_all(
+    runs: dict[tuple[str, str], ModeRun], progress: bool, plan: WorkerPlan | None = None
+) -> None:
     """Every mode of every size split, ``runs[(split, mode)]``, interleaved batch by batch in
-    one schedule (:func:`interleave`)."""
+    one schedule (:func:`interleave`): in this process, or with ``plan`` on its worker
+    processes (:func:`run_on_workers`)."""
     from tqdm import tqdm
 
     total = sum(len(r.queries) for r in runs.values())
@@ -310,7 +338,10 @@ def run_all(runs: dict[tuple[str, str], ModeRun], progress: bool) -> None:
             bar.set_postfix_str(label_of[id(run)], refresh=False)
             bar.update(ran)
 
-        interleave(list(runs.values()), on_batch)
+        if plan is None:
+            interleave(list(runs.values()), on_batch)
+        else:
+            run_on_workers(runs, plan, on_batch)
 
 
 def set_wait_policy() -> str | None:
@@ -368,13 +399,22 @@ def add_args(p: argparse.ArgumentParser) -> None:
         help="test (easy-VQA test shapes; the reported numbers) or val (train shapes, another "
         "seed stream; for choosing tau and the agent's settings without touching test)",
     )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="worker processes that run the batches, each one batch at a time on its share of "
+        "the cores (one thread each on a 2-core machine; OMP_NUM_THREADS sets it), so a busy "
+        "machine slows every mode alike; 1 runs them in this process on torch's default threads "
+        "(default: 2, or 1 on a one-core machine)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
 def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     wait_policy = set_wait_policy()  # before torch loads
-    from speceyes.factory import Settings, make_agent, make_backend
+    from speceyes.factory import Settings
 
     level = getattr(args, "level", None)
     models_dir = (
@@ -385,6 +425,10 @@ def run(args: argparse.Namespace) -> int:
     if bad or not modes:
         raise ValueError(f"--modes: unknown {', '.join(bad) or '(none)'}; choose from {MODES}")
     modes = [m for m in MODES if m in modes]
+    workers = default_workers() if getattr(args, "workers", None) is None else args.workers
+    if workers < 1:
+        raise ValueError("--workers must be at least 1")
+    threads = threads_per_worker(workers) if workers > 1 else None  # None: torch's default
     models = find_models(models_dir)  # fail before anything is written or loaded
     settings = Settings.from_manifest(models_dir / MANIFEST)
     if args.tau is not None:
@@ -411,15 +455,21 @@ def run(args: argparse.Namespace) -> int:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
-    need = {r for m in modes for r in {"agent": ("large",), "small": ("small",)}.get(m, ROLES)}
-    print(f"models: {models_dir} ({', '.join(sorted(need))}; {settings.backend.dtype})")
-    specs = {"small": settings.small, "large": settings.large}
-    backends = {r: make_backend(specs[r], settings=settings.backend) for r in ROLES if r in need}
+    need = tuple(r for r in ROLES if any(r in MODE_ROLES[m] for m in modes))
+    where = (
+        f"{workers} worker processes, {threads} torch thread(s) each" if threads else "this process"
+    )
+    print(
+        f"models: {models_dir} ({', '.join(sorted(need))}; {settings.backend.dtype}); "
+        f"batches run in {where}"
+    )
     prints = {r: fingerprint(models[r]) for r in ROLES}
     resolved = settings.resolved()
-    # One agent for every mode's funnel, built as build_funnel would build it.
-    agent = make_agent(resolved.agent, backends["large"]) if "large" in backends else None
-    warm_up(backends, data)
+    backends: dict[str, Any] = {}
+    agent = None
+    if threads is None:  # in this process: the models load here
+        backends, agent = load_models(settings, need)
+        warm_up(backends, data)
     from speceyes.factory import build_funnel
 
     # Every mode of every split takes turns batch by batch, in one schedule: a change of load
@@ -431,13 +481,13 @@ def run(args: argparse.Namespace) -> int:
             run_dir = out / RUNS_DIR / split / mode
             print(f"[{SPLIT_LABEL[split]}] {MODE_LABEL[mode]} -> {run_dir}", flush=True)
             mode_settings = settings.with_funnel(mode=mode).resolved()
-            funnel = build_funnel(
-                mode_settings, (backends.get("small"), backends.get("large")), agent
+            funnel = (
+                build_funnel(mode_settings, (backends.get("small"), backends.get("large")), agent)
+                if threads is None
+                else None  # built by each worker
             )
             ident = _identity(key, size, mode, prints, settings)
-            runs[split, mode] = open_run(
-                run_dir, subset, ident, funnel, models, mode_settings
-            )
+            runs[split, mode] = open_run(run_dir, subset, ident, funnel, models, mode_settings)
     parts = [
         f"{SPLIT_LABEL[split]} {len(r.queries)} questions, {r.n_batches} batch(es)"
         for (split, mode), r in runs.items()
@@ -448,7 +498,21 @@ def run(args: argparse.Namespace) -> int:
         f"  {'; '.join(parts)} of {first.batch_size}; every mode of both splits takes turns",
         flush=True,
     )
-    run_all(runs, progress=not args.no_progress)
+    plan = None
+    if threads is not None:
+        plan = WorkerPlan(
+            settings=settings,
+            data=data,
+            roles=need,
+            runs={
+                k: RunPlan(r.run_dir, r.subset, r.ident, r.settings, models)
+                for k, r in runs.items()
+            },
+            workers=workers,
+            threads=threads,
+            quiet=args.no_progress,
+        )
+    run_all(runs, progress=not args.no_progress, plan=plan)
     for (split, mode), r in runs.items():
         res = r.results or {}
         print(
@@ -459,12 +523,14 @@ def run(args: argparse.Namespace) -> int:
             flush=True,
         )
     summary = summarize_demo(out, modes)
-    import torch
+    if threads is None:
+        import torch
 
+        threads = torch.get_num_threads()
     summary.update(
         batch_size=resolved.funnel.batch_size,
-        # what the timings depend on beyond the machine's load
-        threads={"torch": torch.get_num_threads(), "omp_wait_policy": wait_policy},
+        # what the timings depend on beyond the machine's load: threads per batch
+        threads={"torch": threads, "workers": workers, "omp_wait_policy": wait_policy},
         settings=resolved.to_dict(),
         split=key,
         models={r: {"path": str(models[r]), "fingerprint": prints[r]} for r in ROLES},

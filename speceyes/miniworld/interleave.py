@@ -57,7 +57,7 @@ class ModeRun:
     run_dir: Path
     subset: Path  # the questions file, as run.json records it
     ident: dict[str, Any]  # demo.json: the split, target size, model fingerprints, agent
-    funnel: Funnel
+    funnel: Funnel | None  # None where the batches run in worker processes (workers.py)
     queries: list[Query]
     models: dict[str, str]
     done: set[str] = field(default_factory=set)  # ids logged in the folder
@@ -68,7 +68,8 @@ class ModeRun:
 
     @property
     def batch_size(self) -> int:
-        return self.funnel.config.batch_size or max(1, len(self.queries))
+        config = self.funnel.config if self.funnel is not None else self.settings.funnel
+        return config.batch_size or max(1, len(self.queries))
 
     @property
     def n_batches(self) -> int:
@@ -97,7 +98,8 @@ class ModeRun:
                 raise
             move_aside(self.run_dir, str(e).split(": ", 1)[-1])
             _start_folder(self.run_dir, self.ident)
-            self.funnel.stats = type(self.funnel.stats)()
+            if self.funnel is not None:
+                self.funnel.stats = type(self.funnel.stats)()
             self.done, self.resume = set(), False
             ran = self._call(b)
         self.checked = self.resume = True
@@ -133,7 +135,7 @@ def open_run(
     run_dir: Path,
     subset: Path,
     ident: dict[str, Any],
-    funnel: Funnel,
+    funnel: Funnel | None,
     models: dict[str, Path],
     settings: Settings | None = None,
 ) -> ModeRun:

@@ -321,11 +321,19 @@ def format_table(summary: dict[str, Any]) -> str:
             if m == "speceyes":
                 cells += ["", "", "", ""]
         lines.append("| " + " | ".join(cells) + " |")
+    threads = summary.get("threads") or {}
+    where = (
+        f", on {threads['workers']} worker processes of {threads.get('torch', '?')} thread(s), "
+        "one batch each at a time"
+        if (threads.get("workers") or 1) > 1
+        else ""
+    )
     notes = [
         "",
         "s/query: the run's wall time / its questions (batches of "
         f"{summary.get('batch_size', '?')}; every mode of both splits ran in turns, batch by "
-        "batch in one rotating order); 'all' pools both splits: total time / total questions. "
+        f"batch in one rotating order{where}); 'all' pools both splits: total time / total "
+        "questions. "
         "speedup: agent-only s/query / the mode's s/query (over all questions: total "
         "agent-only time / total time of the mode).",
         "beta: share of questions the judge sent to the small model; alpha: share of those the "
