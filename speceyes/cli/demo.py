@@ -14,7 +14,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "small-only and SpecEyes side by side (offline)",
         description="Generates (or reuses) a mini-world test split in OUT/data, splits it by "
         "target size, and runs agent-only, small-only and SpecEyes on both size splits, taking "
-        "turns batch by batch, through the evaluation harness (run folders OUT/runs/{small,large}-targets/MODE "
+        "turns batch by batch on worker processes (--workers), through the evaluation harness (run folders OUT/runs/{small,large}-targets/MODE "
         "with samples.jsonl, results.json and plots/, readable by speceyes report and regate). "
         "Prints a table per split and pooled (accuracy, seconds per query, speedup over "
         "agent-only, beta, alpha, the analytic speedup L_agent / (c_J + beta*c_S + "
