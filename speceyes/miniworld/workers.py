@@ -6,7 +6,8 @@ threads, lost 29% where SpecEyes' short small-model batches lost 9%, so the spee
 targets read 17% higher beside the busy process than on a quiet machine. Here each worker runs
 one batch at a time on ``threads`` threads (one each on a 2-core machine), so another process's
 load takes the same share of every batch's core, whatever its mode; and two single-threaded
-batches side by side use two cores better than one batch split over both.
+batches side by side take the demo about as long as one batch split over both cores did (one
+thread in one process took about 40% longer).
 
 The workers take the batches in the order of :func:`speceyes.miniworld.interleave.schedule`, a
 run's next batch only once its last one is logged (one writer per run folder), so the modes still
