@@ -56,7 +56,6 @@ from speceyes.miniworld.summary import (
     write_viewer,
 )
 from speceyes.miniworld.workers import (
-    RunPlan,
     WorkerPlan,
     default_workers,
     run_on_workers,
@@ -504,10 +503,7 @@ def run(args: argparse.Namespace) -> int:
             settings=settings,
             data=data,
             roles=need,
-            runs={
-                k: RunPlan(r.run_dir, r.subset, r.ident, r.settings, models)
-                for k, r in runs.items()
-            },
+            runs=runs,
             workers=workers,
             threads=threads,
             quiet=args.no_progress,

@@ -24,7 +24,7 @@ import os
 from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -61,22 +61,11 @@ def threads_per_worker(workers: int) -> int:
 
 
 @dataclass(frozen=True)
-class RunPlan:
-    """What a worker needs to rebuild one run's :class:`ModeRun` (without its bookkeeping)."""
-
-    run_dir: Path
-    subset: Path
-    ident: dict[str, Any]
-    settings: Settings  # the mode's resolved settings
-    models: dict[str, Path]
-
-
-@dataclass(frozen=True)
 class WorkerPlan:
     settings: Settings  # the demo's settings: the models and the agent every run shares
     data: Path  # the split's folder (warm-up reads its images)
     roles: tuple[str, ...]  # the models the runs need
-    runs: dict[RunKey, RunPlan]
+    runs: dict[RunKey, ModeRun]  # this process's runs, without their funnels (funnel=None)
     workers: int  # processes, each running one batch at a time
     threads: int  # torch threads in each
     quiet: bool  # no progress bars (the models' loading)
@@ -109,7 +98,6 @@ def _start(plan: WorkerPlan, ready: Barrier) -> None:
     the other workers, so that no batch is timed while another worker is still loading."""
     import torch
 
-    from speceyes.bench.datasets import load_jsonl
     from speceyes.factory import build_funnel
     from speceyes.miniworld.demo import load_models, warm_up
 
@@ -120,17 +108,9 @@ def _start(plan: WorkerPlan, ready: Barrier) -> None:
         hf_logging.disable_progress_bar()
     backends, agent = load_models(plan.settings, plan.roles)
     warm_up(backends, plan.data)
-    for key, r in plan.runs.items():
-        funnel = build_funnel(r.settings, (backends.get("small"), backends.get("large")), agent)
-        _RUNS[key] = ModeRun(
-            run_dir=r.run_dir,
-            subset=r.subset,
-            ident=r.ident,
-            funnel=funnel,
-            queries=list(load_jsonl(r.subset)),
-            models={role: str(p) for role, p in r.models.items()},
-            settings=r.settings,
-        )
+    for key, run in plan.runs.items():
+        funnel = build_funnel(run.settings, (backends.get("small"), backends.get("large")), agent)
+        _RUNS[key] = replace(run, funnel=funnel)  # its bookkeeping comes with each task
     ready.wait(timeout=START_TIMEOUT_S)
 
 
