@@ -398,8 +398,9 @@ class PointChooser:
     EXPLORE_EVERY = 24  # trials (of a point's last trial's length) before it runs again
     EXPLORE_MAX = 16 * EXPLORE_EVERY  # the longest wait a losing point's re-runs back off to
     # the share of a band's time the losers' re-runs may spend on their excess: a small part of
-    # the 3% auto may trail the best static point by (at 0.02, at one client one re-run of the
-    # prefix judge's point and one of agent-only's in a 512-query round of load run 61 cost 3.6%)
+    # the 3% auto may trail the best static point by (at 0.02, one re-run of the prefix judge's
+    # point and one of agent-only's cost about 3% of load run 61's 512 timed queries at one
+    # client; docs/throughput.md, run 62)
     EXPLORE_COST = 0.005
     PRIOR_QUERIES = 64  # the calibrated share answered without the agent counts as this many
     HOLD_MARGIN = 0.1  # default: how much less time another point needs to displace the held

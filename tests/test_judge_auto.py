@@ -204,7 +204,8 @@ def test_re_runs_spend_at_most_the_explore_cost_on_their_excess():
 @pytest.mark.usefixtures("one_batch_trials")
 def test_a_point_that_keeps_losing_is_rerun_ever_more_rarely_until_the_load_favours_it():
     """Re-runs of a losing point back off (each wait twice the last, never shorter than its
-    excess allows, up to EXPLORE_MAX), so at a steady load their cost fades; once the load favours it, the rule takes it at once."""
+    excess allows, up to EXPLORE_MAX), so at a steady load their cost fades; once the load
+    favours it, the rule takes it at once."""
     large, none, chooser = measured_large_and_none()
     batches = 2000
     picks = [chooser.choose(256) for _ in range(batches)]  # under load none wins
