@@ -19,11 +19,13 @@ questions to every mode:
   later re-runs); ``--settle 0`` gives the cold figure.
 
 Modes are interleaved in time: for each C, ``--rounds`` rounds, and in each round every mode
-serves one batch of requests in turn (the order rotates by round), so load from other processes
-on the machine falls on all modes alike. A round scores ``--requests`` requests after its first
-C, all sent under the full load (:func:`closed_loop`); where 4C <= ``--short-rounds`` (by
-default C = 1 and 4) the rounds are that many requests long, and more of them, the same requests
-per mode in all. Per mode and C it prints throughput (C over the scored requests' mean latency,
+serves one batch of requests in turn, in an order drawn afresh each round (``--order``), so load
+from other processes on the machine, and whatever one cell leaves behind for the next, falls on
+all modes alike. ``--twin J`` adds a second app of the static variant J, which does J's work:
+its ratio to J is the benchmark's own noise for two modes that do the same work. A round
+scores ``--requests`` requests after its first C, all sent under the full load
+(:func:`closed_loop`); where 4C <= ``--short-rounds`` (by default C = 1 and 4) the rounds are
+that many requests long, and more of them, the same requests per mode in all. Per mode and C it prints throughput (C over the scored requests' mean latency,
 Little's law for a closed loop; the answers counted in a window beside it), client-side p50/p95
 latency, accuracy, the share the small model answered, and throughput and p50 against agent-only
 at the same C; and per query the CPU each process used and the time a request spent outside its
@@ -36,8 +38,8 @@ the timed rounds, written as each round ends) and, with ``--points``, OUT/auto-d
 
     python benchmarks/bench_load_vllm.py [--concurrency 1,4,16] [--with-64] [--rounds 3]
         [--requests 0] [--short-rounds 32] [--settle -1] [--scenes 8] [--judges large,prefix,none]
-        [--points FILE] [--placement split] [--executor uni] [--apps process] [--equal-hardware]
-        [--busy 0] [--out runs/bench-load-vllm]
+        [--points FILE] [--twin none] [--order shuffle] [--placement split] [--executor uni]
+        [--apps process] [--equal-hardware] [--busy 0] [--out runs/bench-load-vllm]
 
 Placement (``--placement``). ``split`` (default) binds each server's engine threads to cores of
 its own (the small model the first half of this process's cores, the large model the rest);
@@ -119,6 +121,9 @@ from tests.vllm_support import (  # noqa: E402
 
 AGENT_ONLY = "agent-only"
 AGENT_ONLY_ALL = "agent-only/all"  # --equal-hardware: agent-only on a server that has every core
+# --twin J: a second app of the static variant J, labelled J + TWIN; it runs the same work as J
+TWIN = "#twin"
+ORDERS = ("shuffle", "rotate")  # --order: each round's order of modes
 SMALL_ROUTE = "small"  # the route of an answer the small model gave (gate accepted)
 APP_LAYOUTS = ("process", "thread")  # --apps: each mode's app in a process of its own, or here
 APP_START_S = 180.0  # an app process's start-up: imports, the funnel's tokenizers
@@ -160,6 +165,18 @@ def round_plan(c: int, rounds: int, requests: int, short: int) -> tuple[int, int
     return max(4 * c, MIN_REQUESTS), rounds
 
 
+def round_order(modes: int, r: int, c: int, order: str, seed: int = 0) -> list[int]:
+    """The modes' order in round ``r`` at ``c`` clients (indices into the run's modes).
+    ``rotate`` shifts one fixed order by a place each round, so every mode follows the same
+    mode in every round but one in ``modes`` (what came before it, and so the state it meets:
+    the servers' prefix caches, a slow spell that began in the cell before, always belong to
+    that one mode). ``shuffle`` draws each round's order afresh, seeded by (seed, c, r), so a
+    mode's predecessor and place vary and such carry-over falls on every mode alike."""
+    if order == "rotate":
+        return [(j + r) % modes for j in range(modes)]
+    return [int(x) for x in np.random.default_rng([seed, c, r]).permutation(modes)]
+
+
 def round_start(r: int, n: int, questions: int) -> int:
     """The question that round ``r`` of ``n`` requests starts at: every mode asks the same
     questions in a round (cyclically from there)."""
@@ -179,6 +196,7 @@ class Mode:
     large: str = "large"  # the large model's server: "large", or "large-all" (every core)
     auto_hold: float | None = None  # speceyes/auto: its hold margin (None: the funnel's default)
     early_agent: int | None = None  # the funnel's early_agent (None: its default)
+    twin: bool = False  # --twin: a second app of a static variant (a same-work control)
 
 
 @dataclass
@@ -192,6 +210,7 @@ class Sample:
     timed: bool = True  # answered inside its round's counting window (see closed_loop)
     scored: bool = True  # one of its round's n requests after the first C (see closed_loop)
     index: int = -1  # its place in its round's order of requests
+    slot: int = -1  # its mode's place in its round's order of modes (round_order)
 
 
 @dataclass
@@ -301,13 +320,16 @@ def modes_of(
     equal_hardware: bool = False,
     auto_holds: tuple[float, ...] = (),
     waiting: tuple[str, ...] = (),
+    twins: tuple[str, ...] = (),
 ) -> list[Mode]:
     """The modes a run compares: agent-only, each static judge, and with ``auto`` the default
     auto beside one auto per hold margin of ``auto_holds`` (``speceyes/auto@hold=M``); each
     judge of ``waiting`` also with the agent started only after the gate
-    (``speceyes/J@early=0``)."""
+    (``speceyes/J@early=0``); each judge of ``twins`` also as a second app of its own
+    (``speceyes/J#twin``), a control that does the same work as ``speceyes/J``."""
     static = [Mode(f"speceyes/{j}", "speceyes", j) for j in judges]
     static += [Mode(f"speceyes/{j}@early=0", "speceyes", j, early_agent=0) for j in waiting]
+    static += [Mode(f"speceyes/{j}{TWIN}", "speceyes", j, twin=True) for j in twins]
     extra = [Mode(f"speceyes/{AUTO}", "speceyes", AUTO)] if auto else []
     extra += [
         Mode(f"speceyes/{AUTO}@hold={h:g}", "speceyes", AUTO, auto_hold=h)
@@ -764,17 +786,42 @@ def is_auto(label: str) -> bool:
     return label == f"speceyes/{AUTO}" or label.startswith(f"speceyes/{AUTO}@")
 
 
+def is_twin(label: str) -> bool:
+    return label.endswith(TWIN)
+
+
+def is_compared(label: str) -> bool:
+    """A mode auto is measured against: agent-only and every static variant, not a twin (a
+    second copy of a variant would make the best of them a maximum over more noisy copies)."""
+    return not is_auto(label) and not is_twin(label)
+
+
 def auto_lines(rows: list[dict[str, Any]]) -> list[str]:
     """Per C and auto mode: its throughput against the best of agent-only and every static
     variant."""
     out = []
     for c in sorted({r["concurrency"] for r in rows}):
         at = {r["mode"]: r for r in rows if r["concurrency"] == c and r["qps"]}
-        others = [r for m, r in at.items() if not is_auto(m)]
+        others = [r for m, r in at.items() if is_compared(m)]
         for label, auto in at.items():
             if is_auto(label) and others:
                 out.append(_auto_line(c, auto, others))
+            if is_twin(label) and label.removesuffix(TWIN) in at:
+                out.append(_twin_line(c, auto, at[label.removesuffix(TWIN)]))
     return [""] + out if out else []
+
+
+def _twin_line(c: int, twin: dict[str, Any], original: dict[str, Any]) -> str:
+    """A twin against its original: the same work in two apps, so what separates them is the
+    benchmark's own noise, the yardstick for auto's gap to the best other mode."""
+    per_round = round_ratios(twin, original)
+    interval = twin.get("vs_best_interval")
+    return (
+        f"C={c}: {twin['mode'].removeprefix('speceyes/')} {twin['qps']:.2f} queries/s = "
+        f"{twin['qps'] / original['qps']:.3f} x {original['mode']} (the same work in another app)"
+        + (f", {INTERVAL_LEVEL:.0%} interval {interval[0]:.3f}-{interval[1]:.3f}" if interval else "")
+        + (f", by round {', '.join(f'{x:.2f}' for x in per_round)}" if len(per_round) > 1 else "")
+    )
 
 
 def _auto_line(c: int, auto: dict[str, Any], others: list[dict[str, Any]]) -> str:
@@ -854,6 +901,19 @@ def main() -> int:
         "(default: none)",
     )  # fmt: skip
     ap.add_argument(
+        "--twin", default="", metavar="J,J",
+        help="also a second app of each of these static variants (speceyes/J#twin), a control "
+        "that does the same work as speceyes/J: its ratio to J is the benchmark's own noise, "
+        "set beside auto's gap to the best other mode (auto is not compared with a twin; "
+        "default: none)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--order", choices=ORDERS, default=ORDERS[0],
+        help="each round's order of modes: shuffle (default) draws it afresh each round "
+        "(seeded), so no mode always follows the same one; rotate shifts one fixed order by a "
+        "place each round, as runs before 63 did",
+    )  # fmt: skip
+    ap.add_argument(
         "--points",
         type=Path,
         default=None,
@@ -905,14 +965,17 @@ def main() -> int:
 
     judges = [j.strip() for j in args.judges.split(",") if j.strip()]
     waiting = tuple(j.strip() for j in args.waiting.split(",") if j.strip())
+    twins = tuple(j.strip() for j in args.twin.split(",") if j.strip())
     if any(j not in JUDGES for j in (*judges, *waiting)):
         ap.error(f"--judges and --waiting take {', '.join(JUDGES)}")
+    if any(j not in judges for j in twins):
+        ap.error(f"--twin takes variants of --judges ({', '.join(judges)}), got {args.twin!r}")
     try:
         holds = tuple(float(x) for x in args.auto_holds.split(",") if x.strip())
     except ValueError:
         ap.error(f"--auto-holds takes numbers, got {args.auto_holds!r}")
     modes = modes_of(judges, auto=args.points is not None, equal_hardware=args.equal_hardware,
-                     auto_holds=holds, waiting=waiting)  # fmt: skip
+                     auto_holds=holds, waiting=waiting, twins=twins)  # fmt: skip
     try:
         cpus = core_sets(args.placement)
     except ValueError as e:
@@ -998,14 +1061,16 @@ def main() -> int:
                         asyncio.run(closed_loop(urls[m.label], bodies, queries, 0, settle, c, 0))
                         print(f"C={c} {m.label}: settled on {settle} requests", flush=True)
                 for r in range(rounds):
-                    for j in range(len(modes)):  # the order rotates by round
-                        m = modes[(j + r) % len(modes)]
+                    for slot, j in enumerate(round_order(len(modes), r, c, args.order, args.seed)):
+                        m = modes[j]
                         cell = cells.setdefault((m.label, c), Cell(m.label, c))
                         start = round_start(r, n, len(queries))
                         before = {g: cpu_seconds(p) for g, p in groups.items()}
                         run = asyncio.run(
                             closed_loop(urls[m.label], bodies, queries, start, n, c)
                         )
+                        for x in run.samples:
+                            x.slot = slot
                         used = {g: cpu_seconds(p) - before[g] for g, p in groups.items()}
                         cell.add_round(run.samples, run.errors, run.window_s, used, run.wall_s)
                         with samples_file.open("a") as f:  # kept whatever happens later
@@ -1032,11 +1097,16 @@ def main() -> int:
     total_s = time.perf_counter() - t_all
     rows = [cells[(m.label, c)].summary() for c in cs for m in modes if (m.label, c) in cells]
     for row in rows:  # auto against the best other mode: its interval beside the point ratio
+        c = row["concurrency"]
         if is_auto(row["mode"]):
-            c = row["concurrency"]
-            others = [x for (label, at), x in cells.items() if at == c and not is_auto(label)]
-            got = vs_best_interval(cells[(row["mode"], c)], others) if others else None
-            row["vs_best_interval"] = [round(x, 4) for x in got] if got else None
+            others = [x for (label, at), x in cells.items() if at == c and is_compared(label)]
+        elif is_twin(row["mode"]):  # a twin against its original, by the same bootstrap
+            others = [x for (label, at), x in cells.items()
+                      if at == c and label == row["mode"].removesuffix(TWIN)]  # fmt: skip
+        else:
+            continue
+        got = vs_best_interval(cells[(row["mode"], c)], others) if others else None
+        row["vs_best_interval"] = [round(x, 4) for x in got] if got else None
     md = table(rows)
     print(md)
     meta = {

@@ -97,6 +97,7 @@ def compare(
             if not mode.startswith("speceyes/") or mode == AUTO:
                 continue
             judge, _, variant = mode.split("/", 1)[1].partition("@")
+            judge = judge.removesuffix("#twin")  # bench_load_vllm --twin: its original's work
             cell_costs = costs
             if variant.startswith("early="):  # bench_load_vllm --waiting: early_agent 0
                 cell_costs = replace(costs, early_agent=int(variant.split("=", 1)[1]))

@@ -10,6 +10,7 @@ import os
 import random
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -136,6 +137,66 @@ def test_load_benchmark_shortens_rounds_at_low_concurrency():
     for _ in range(3):
         cell.add_round([bench.Sample(0.5, True, "agent")], 0, 0.5)
     assert cell.summary()["rounds"] == 3
+
+
+def test_load_benchmark_varies_what_each_mode_follows():
+    """rotate: auto (last) follows the same mode in every round but one in five; shuffle: each
+    round a permutation of the modes, the same for the same seed, C and round, and over a C's
+    rounds a mode follows several others."""
+    bench = _load(BENCHMARKS / "bench_load_vllm.py")
+
+    def predecessors(order, mode, rounds=16):
+        got = []
+        for r in range(rounds):
+            seq = bench.round_order(5, r, 4, order, seed=23)
+            assert sorted(seq) == list(range(5))
+            if seq.index(mode) > 0:
+                got.append(seq[seq.index(mode) - 1])
+        return Counter(got)
+
+    assert predecessors("rotate", 4) == Counter({3: 13})
+    shuffled = predecessors("shuffle", 4)
+    assert len(shuffled) >= 3 and max(shuffled.values()) < 13
+    assert bench.round_order(5, 2, 4, "shuffle", 23) == bench.round_order(5, 2, 4, "shuffle", 23)
+    assert len({tuple(bench.round_order(5, r, 4, "shuffle", 23)) for r in range(16)}) > 8
+
+
+def test_load_benchmark_twin_does_its_originals_work_and_is_not_compared_with_auto(tmp_path):
+    """--twin none: a second app of the none variant, built from the same settings; auto's line
+    compares it with the best of agent-only and the static variants (not the twin), and a line
+    of its own gives the twin against its original."""
+    from speceyes.miniworld.demo import MODELS_DIR
+
+    bench = _load(BENCHMARKS / "bench_load_vllm.py")
+    points = tmp_path / "points.json"
+    points.write_text(json.dumps({
+        "points": [{"judge": "large", "tau": 0.5, "beta": 0.5, "alpha": 1.0},
+                   {"judge": "none", "tau": 0.93, "beta": 0.5, "alpha": 0.96}],
+        "setup": {"models": {"small": str(MODELS_DIR / "small"), "large": str(MODELS_DIR / "large")},
+                  "agent": "search"},
+        "gate": {"top_k": 32, "agg": "min", "scale": 0.6},
+    }))  # fmt: skip
+    modes = {m.label: m for m in bench.modes_of(["large", "none"], auto=True, twins=("none",))}
+    assert list(modes) == ["agent-only", "speceyes/large", "speceyes/none", "speceyes/none#twin",
+                           "speceyes/auto"]  # fmt: skip
+    urls = ("http://127.0.0.1:1", "http://127.0.0.1:2")
+    twin = bench.settings_for(modes["speceyes/none#twin"], *urls, points)
+    assert twin == bench.settings_for(modes["speceyes/none"], *urls, points)
+    assert twin.funnel.tau == 0.93
+    spec = json.loads(bench.app_spec(modes["speceyes/none#twin"], *urls, points, None, tmp_path))
+    assert bench.Mode(**spec["mode"]) == modes["speceyes/none#twin"]  # an app process rebuilds it
+    rows = [
+        {"mode": "agent-only", "concurrency": 4, "qps": 1.0},
+        {"mode": "speceyes/none", "concurrency": 4, "qps": 2.0, "round_qps": [2.0, 2.0]},
+        {"mode": "speceyes/none#twin", "concurrency": 4, "qps": 2.2, "round_qps": [2.4, 2.0],
+         "vs_best_interval": [0.95, 1.2]},
+        {"mode": "speceyes/auto", "concurrency": 4, "qps": 1.9},
+    ]  # fmt: skip
+    lines = bench.auto_lines(rows)
+    assert lines[1].startswith("C=4: none#twin 2.20 queries/s = 1.100 x speceyes/none (the same")
+    assert "95% interval 0.950-1.200, by round 1.20, 1.00" in lines[1]
+    assert lines[2].startswith("C=4: auto 1.90 queries/s = 0.950 x the best other mode "
+                               "(speceyes/none, 2.00)")  # fmt: skip
 
 
 def _one_client_run(folder, times, per_round=4, rounds=2, questions=4):
