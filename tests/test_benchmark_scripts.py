@@ -36,11 +36,11 @@ def test_benchmark_script_imports(path):
     assert callable(getattr(module, "main", None)), f"{path.name} has no main()"
 
 
-def test_load_benchmark_modes_from_a_points_file(tmp_path):
+def _points_file(folder: Path) -> Path:
+    """A points file for the bundled models: the published judge at tau 0.5, `none` at 0.93."""
     from speceyes.miniworld.demo import MODELS_DIR
 
-    bench = _load(BENCHMARKS / "bench_load_vllm.py")
-    points = tmp_path / "points.json"
+    points = folder / "points.json"
     points.write_text(json.dumps({
         "points": [{"judge": "large", "tau": 0.5, "beta": 0.5, "alpha": 1.0},
                    {"judge": "none", "tau": 0.93, "beta": 0.5, "alpha": 0.96}],
@@ -48,6 +48,12 @@ def test_load_benchmark_modes_from_a_points_file(tmp_path):
                   "agent": "search"},
         "gate": {"top_k": 32, "agg": "min", "scale": 0.6},
     }))  # fmt: skip
+    return points
+
+
+def test_load_benchmark_modes_from_a_points_file(tmp_path):
+    bench = _load(BENCHMARKS / "bench_load_vllm.py")
+    points = _points_file(tmp_path)
     modes = {m.label: m for m in bench.modes_of(["large", "prefix"], auto=True)}
     assert list(modes) == ["agent-only", "speceyes/large", "speceyes/prefix", "speceyes/auto"]
     urls = ("http://127.0.0.1:1", "http://127.0.0.1:2")
@@ -165,17 +171,8 @@ def test_load_benchmark_twin_does_its_originals_work_and_is_not_compared_with_au
     """--twin none: a second app of the none variant, built from the same settings; auto's line
     compares it with the best of agent-only and the static variants (not the twin), and a line
     of its own gives the twin against its original."""
-    from speceyes.miniworld.demo import MODELS_DIR
-
     bench = _load(BENCHMARKS / "bench_load_vllm.py")
-    points = tmp_path / "points.json"
-    points.write_text(json.dumps({
-        "points": [{"judge": "large", "tau": 0.5, "beta": 0.5, "alpha": 1.0},
-                   {"judge": "none", "tau": 0.93, "beta": 0.5, "alpha": 0.96}],
-        "setup": {"models": {"small": str(MODELS_DIR / "small"), "large": str(MODELS_DIR / "large")},
-                  "agent": "search"},
-        "gate": {"top_k": 32, "agg": "min", "scale": 0.6},
-    }))  # fmt: skip
+    points = _points_file(tmp_path)
     modes = {m.label: m for m in bench.modes_of(["large", "none"], auto=True, twins=("none",))}
     assert list(modes) == ["agent-only", "speceyes/large", "speceyes/none", "speceyes/none#twin",
                            "speceyes/auto"]  # fmt: skip
