@@ -16,7 +16,9 @@ its throughput is the harmonic mean of the static variants' predictions, weighte
 of queries each point answered (the agent-only point is agent-only).
 
 Prints, per C and mode, the measured and predicted ratio to agent-only at the same C, the
-relative error and whether it is within ``--tolerance`` (15%); also the absolute queries/s.
+relative error and whether it is within ``--tolerance`` (15%); also the absolute queries/s,
+and for each static mode the mean latency of the small model's answers and of the agent's,
+measured and simulated, which says which route's cost a cell's error comes from.
 
     python benchmarks/sim_vs_real.py --real runs/bench-load-auto9/results.json \\
         --costs runs/vllm-costs/costs.json [--points runs/pts/points-lp-0.1.json] [--out FILE]
@@ -32,9 +34,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for folder in (ROOT, ROOT / "benchmarks"):
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+
+from bench_load_vllm import SMALL_ROUTE  # noqa: E402
 
 AGENT_ONLY = "agent-only"
 AUTO = "speceyes/auto"
@@ -65,19 +72,48 @@ def simulate_cell(
 ) -> float:
     """Queries/s of agent-only (judge None) or ours with ``judge`` over ``batches`` batches
     of the benchmark's size at concurrency ``c``."""
+    return simulate_routes(costs, judge, c, rates, batches, seed)[0]
+
+
+def simulate_routes(
+    costs: Any, judge: str | None, c: int, rates: tuple[float, float, float], batches: int,
+    seed: int,
+) -> tuple[float, float | None, float | None]:
+    """:func:`simulate_cell`'s queries/s, and the mean latency of the queries the small model
+    answered and of those the agent answered (None where no query took that route)."""
     from speceyes.simulate import draw, simulate_one
 
     n = PER_ROUND.get(c, max(4 * c, 8))
     beta, alpha, alpha_tool = rates
     total_s = 0.0
+    early: list[float] = []
+    agent: list[float] = []
     for b in range(batches):
         d = draw(costs, n, beta, alpha, seed + b, alpha_tool)
         if judge is None:
             r = simulate_one("agent-only", costs, d, c)
+            answered = np.zeros(n, dtype=bool)
         else:
             r = simulate_one("speceyes", costs, d, c, judge=judge)
+            # as the simulator routes them: without a judge the gate decides for every query
+            acc_tool = d.accept if d.accept_tool is None else d.accept_tool
+            answered = np.where(d.tool, acc_tool if judge == "none" else False, d.accept)
         total_s += r.makespan
-    return n * batches / total_s
+        early += r.latencies[answered].tolist()
+        agent += r.latencies[~answered].tolist()
+    return (n * batches / total_s, float(np.mean(early)) if early else None,
+            float(np.mean(agent)) if agent else None)  # fmt: skip
+
+
+def measured_routes(row: dict[str, Any]) -> tuple[float | None, float | None]:
+    """A benchmark row's mean client latency of the small model's answers and of the agent's
+    (every agent route together, weighted by its queries)."""
+    by_route = row.get("mean_s_by_route") or {}
+    early = by_route.get(SMALL_ROUTE)
+    agent = [(v["n"], v["client"]) for k, v in by_route.items() if k not in (SMALL_ROUTE, "error")]
+    n = sum(k for k, _ in agent)
+    return (early["client"] if early else None,
+            sum(k * x for k, x in agent) / n if n else None)  # fmt: skip
 
 
 def compare(
@@ -91,8 +127,9 @@ def compare(
         if AGENT_ONLY not in here:
             continue
         base_real = float(here[AGENT_ONLY]["qps"])
-        base_sim = simulate_cell(costs, None, c, (1.0, 0.0, 0.0), batches, seed)
+        base_sim, _, base_agent = simulate_routes(costs, None, c, (1.0, 0.0, 0.0), batches, seed)
         predicted: dict[str, float] = {AGENT_ONLY: base_sim, "speceyes/agent": base_sim}
+        routes: dict[str, tuple[float | None, float | None]] = {AGENT_ONLY: (None, base_agent)}
         for mode, r in here.items():
             if not mode.startswith("speceyes/") or mode == AUTO:
                 continue
@@ -104,7 +141,8 @@ def compare(
             elif variant:
                 continue  # another variant (auto@hold=M): not modelled
             rates = rates_for(judge, float(r.get("small_share") or 0.0), points.get(judge))
-            predicted[mode] = simulate_cell(cell_costs, judge, c, rates, batches, seed)
+            predicted[mode], *got = simulate_routes(cell_costs, judge, c, rates, batches, seed)
+            routes[mode] = (got[0], got[1])
         if AUTO in here:
             predicted[AUTO] = _auto_mix(here[AUTO], predicted, costs, c, points, batches, seed)
         for mode, r in here.items():
@@ -118,6 +156,9 @@ def compare(
                 "sim_qps": predicted[mode], "real_ratio": real, "sim_ratio": sim,
                 "rel_error": err, "within": abs(err) <= tolerance,
                 "small_share": r.get("small_share"),
+                # mean latency per route, measured and simulated (static modes only)
+                "routes": {"measured": measured_routes(r), "simulated": routes[mode]}
+                if mode in routes else None,
             })  # fmt: skip
     return out
 
@@ -168,7 +209,28 @@ def format_table(lines: list[dict[str, Any]], tolerance: float) -> str:
             + (f"; largest error {worst['rel_error']:+.1%}, {worst['mode']}" if worst else "")
             + ")"
         )
-    return "\n".join(out)
+    return "\n".join(out + route_lines(lines))
+
+
+def route_lines(lines: list[dict[str, Any]]) -> list[str]:
+    """Per C and static mode: each route's mean latency, measured and simulated, so a cell's
+    error can be traced to the route whose cost is off."""
+
+    def ms(x: float | None) -> str:
+        return "-" if x is None else f"{1000 * x:.0f}"
+
+    def err(real: float | None, sim: float | None) -> str:
+        return "-" if not real or sim is None else f"{sim / real - 1:+.0%}"
+
+    out = ["", "Mean latency per route (ms), measured / simulated (error):", "",
+           "| C | mode | small model's answer | the agent's |", "|---|---|---|---|"]  # fmt: skip
+    for x in lines:
+        if not x.get("routes"):
+            continue
+        (re, ra), (se, sa) = x["routes"]["measured"], x["routes"]["simulated"]
+        out.append(f"| {x['concurrency']} | {x['mode']} | {ms(re)} / {ms(se)} ({err(re, se)}) "
+                   f"| {ms(ra)} / {ms(sa)} ({err(ra, sa)}) |")  # fmt: skip
+    return out
 
 
 def main() -> int:

@@ -468,3 +468,30 @@ def test_load_benchmark_times_a_round_in_steady_state_and_drains_it():
     assert row["small_share"] == 0.5  # of the scored: even questions
     assert row["cores_busy"] == pytest.approx(1.0 / run.wall_s, abs=0.01)
     assert row["outside_server_ms"] > 0
+
+
+def test_sim_vs_real_traces_a_cells_error_to_its_route():
+    """sim_vs_real gives each static mode's mean latency per route, measured beside simulated:
+    the agent's routes pooled by their counts, and in the simulator the small model's answers
+    (those the gate accepts) quicker than the agent's."""
+    from speceyes.simulate import CostModel
+
+    svr = _load(BENCHMARKS / "sim_vs_real.py")
+    by_route = {"small": {"n": 30, "client": 0.1},
+                "agent_after_gate": {"n": 10, "client": 1.0},
+                "agent_after_judge": {"n": 30, "client": 2.0}}  # fmt: skip
+    assert svr.measured_routes({"mean_s_by_route": by_route}) == (0.1, 1.75)
+    assert svr.measured_routes({}) == (None, None)
+    rows = [{"mode": "agent-only", "concurrency": 4, "qps": 2.0, "small_share": 0.0,
+             "mean_s_by_route": {"agent_only": {"n": 8, "client": 2.0}}},
+            {"mode": "speceyes/none", "concurrency": 4, "qps": 4.0, "small_share": 0.5,
+             "mean_s_by_route": {"small": {"n": 4, "client": 0.2},
+                                 "agent_after_gate": {"n": 4, "client": 1.8}}}]  # fmt: skip
+    lines = svr.compare(rows, CostModel(), {}, batches=2, seed=0, tolerance=0.15)
+    none = next(x for x in lines if x["mode"] == "speceyes/none")
+    early, agent = none["routes"]["simulated"]
+    assert none["routes"]["measured"] == (0.2, 1.8)
+    assert 0 < early < agent
+    assert next(x for x in lines if x["mode"] == "agent-only")["routes"]["simulated"][0] is None
+    table = svr.route_lines(lines)
+    assert table[-1].startswith("| 4 | speceyes/none | 200 / ") and f"({early / 0.2 - 1:+.0%})" in table[-1]
