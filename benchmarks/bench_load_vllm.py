@@ -25,13 +25,14 @@ all modes alike. ``--twin J`` adds a second app of the static variant J, which d
 its ratio to J is the benchmark's own noise for two modes that do the same work. A round
 scores ``--requests`` requests after its first C, all sent under the full load
 (:func:`closed_loop`); where 4C <= ``--short-rounds`` (by default C = 1 and 4) the rounds are
-that many requests long, and more of them, the same requests per mode in all. Per mode and C it prints throughput (C over the scored requests' mean latency,
-Little's law for a closed loop; the answers counted in a window beside it), client-side p50/p95
-latency, accuracy, the share the small model answered, and throughput and p50 against agent-only
-at the same C; and per query the CPU each process used and the time a request spent outside its
-server's own clock (the client's latency less the server's ``total``: the HTTP round trip and
-the wait for an interpreter to read the request and the response, which a funnel timing its
-queries cannot see). Writes OUT/results.json, OUT/table.md, OUT/samples.jsonl (every answer of
+that many requests long, and more of them, the same requests per mode in all. Per mode and C
+it prints throughput (C over the scored requests' mean latency, Little's law for a closed loop;
+the answers counted in a window beside it), client-side p50/p95 latency, accuracy, the share
+the small model answered, and throughput and p50 against agent-only at the same C; and per
+query the CPU each process used and the time a request spent outside its server's own clock
+(the client's latency less the server's ``total``: the HTTP round trip and the wait for an
+interpreter to read the request and the response, which a funnel timing its queries cannot
+see). Writes OUT/results.json, OUT/table.md, OUT/samples.jsonl (every answer of
 the timed rounds, written as each round ends) and, with ``--points``, OUT/auto-decisions.log
 (each of auto's choices, why, and the times it compared). The vLLM servers are always stopped
 (their process groups), also on Ctrl-C, SIGTERM or SIGHUP.

@@ -41,7 +41,7 @@ for folder in (ROOT, ROOT / "benchmarks"):
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
 
-from bench_load_vllm import SMALL_ROUTE  # noqa: E402
+from bench_load_vllm import SMALL_ROUTE, TWIN  # noqa: E402
 
 AGENT_ONLY = "agent-only"
 AUTO = "speceyes/auto"
@@ -134,7 +134,7 @@ def compare(
             if not mode.startswith("speceyes/") or mode == AUTO:
                 continue
             judge, _, variant = mode.split("/", 1)[1].partition("@")
-            judge = judge.removesuffix("#twin")  # bench_load_vllm --twin: its original's work
+            judge = judge.removesuffix(TWIN)  # bench_load_vllm --twin: its original's work
             cell_costs = costs
             if variant.startswith("early="):  # bench_load_vllm --waiting: early_agent 0
                 cell_costs = replace(costs, early_agent=int(variant.split("=", 1)[1]))
@@ -227,9 +227,9 @@ def route_lines(lines: list[dict[str, Any]]) -> list[str]:
     for x in lines:
         if not x.get("routes"):
             continue
-        (re, ra), (se, sa) = x["routes"]["measured"], x["routes"]["simulated"]
-        out.append(f"| {x['concurrency']} | {x['mode']} | {ms(re)} / {ms(se)} ({err(re, se)}) "
-                   f"| {ms(ra)} / {ms(sa)} ({err(ra, sa)}) |")  # fmt: skip
+        (me, ma), (se, sa) = x["routes"]["measured"], x["routes"]["simulated"]
+        out.append(f"| {x['concurrency']} | {x['mode']} | {ms(me)} / {ms(se)} ({err(me, se)}) "
+                   f"| {ms(ma)} / {ms(sa)} ({err(ma, sa)}) |")  # fmt: skip
     return out
 
 
