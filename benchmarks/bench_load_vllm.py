@@ -739,7 +739,9 @@ def table(rows: list[dict[str, Any]]) -> str:
             f" | {f(r['accuracy'], '.1%')} | {f(r['small_share'], '.0%')}"
             f" | {_points_text(r.get('points') or {})} |"
         )
-    return "\n".join(out + auto_lines(rows) + equal_hardware_lines(rows) + cpu_lines(rows))
+    return "\n".join(
+        out + twin_lines(rows) + auto_lines(rows) + equal_hardware_lines(rows) + cpu_lines(rows)
+    )
 
 
 def cpu_lines(rows: list[dict[str, Any]]) -> list[str]:
@@ -807,8 +809,17 @@ def auto_lines(rows: list[dict[str, Any]]) -> list[str]:
         for label, auto in at.items():
             if is_auto(label) and others:
                 out.append(_auto_line(c, auto, others))
+    return [""] + out if out else []
+
+
+def twin_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """Per C and twin (``--twin``): its throughput against its original's."""
+    out = []
+    for c in sorted({r["concurrency"] for r in rows}):
+        at = {r["mode"]: r for r in rows if r["concurrency"] == c and r["qps"]}
+        for label, twin in at.items():
             if is_twin(label) and label.removesuffix(TWIN) in at:
-                out.append(_twin_line(c, auto, at[label.removesuffix(TWIN)]))
+                out.append(_twin_line(c, twin, at[label.removesuffix(TWIN)]))
     return [""] + out if out else []
 
 
@@ -1102,8 +1113,8 @@ def main() -> int:
         if is_auto(row["mode"]):
             others = [x for (label, at), x in cells.items() if at == c and is_compared(label)]
         elif is_twin(row["mode"]):  # a twin against its original, by the same bootstrap
-            others = [x for (label, at), x in cells.items()
-                      if at == c and label == row["mode"].removesuffix(TWIN)]  # fmt: skip
+            original = cells.get((row["mode"].removesuffix(TWIN), c))
+            others = [original] if original else []
         else:
             continue
         got = vs_best_interval(cells[(row["mode"], c)], others) if others else None

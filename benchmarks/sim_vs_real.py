@@ -92,13 +92,10 @@ def simulate_routes(
         d = draw(costs, n, beta, alpha, seed + b, alpha_tool)
         if judge is None:
             r = simulate_one("agent-only", costs, d, c)
-            answered = np.zeros(n, dtype=bool)
         else:
             r = simulate_one("speceyes", costs, d, c, judge=judge)
-            # as the simulator routes them: without a judge the gate decides for every query
-            acc_tool = d.accept if d.accept_tool is None else d.accept_tool
-            answered = np.where(d.tool, acc_tool if judge == "none" else False, d.accept)
         total_s += r.makespan
+        answered = r.early if r.early is not None else np.zeros(n, dtype=bool)
         early += r.latencies[answered].tolist()
         agent += r.latencies[~answered].tolist()
     return (n * batches / total_s, float(np.mean(early)) if early else None,
@@ -141,8 +138,8 @@ def compare(
             elif variant:
                 continue  # another variant (auto@hold=M): not modelled
             rates = rates_for(judge, float(r.get("small_share") or 0.0), points.get(judge))
-            predicted[mode], *got = simulate_routes(cell_costs, judge, c, rates, batches, seed)
-            routes[mode] = (got[0], got[1])
+            qps, early_s, agent_s = simulate_routes(cell_costs, judge, c, rates, batches, seed)
+            predicted[mode], routes[mode] = qps, (early_s, agent_s)
         if AUTO in here:
             predicted[AUTO] = _auto_mix(here[AUTO], predicted, costs, c, points, batches, seed)
         for mode, r in here.items():

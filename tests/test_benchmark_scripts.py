@@ -189,11 +189,11 @@ def test_load_benchmark_twin_does_its_originals_work_and_is_not_compared_with_au
          "vs_best_interval": [0.95, 1.2]},
         {"mode": "speceyes/auto", "concurrency": 4, "qps": 1.9},
     ]  # fmt: skip
-    lines = bench.auto_lines(rows)
-    assert lines[1].startswith("C=4: none#twin 2.20 queries/s = 1.100 x speceyes/none (the same")
-    assert "95% interval 0.950-1.200, by round 1.20, 1.00" in lines[1]
-    assert lines[2].startswith("C=4: auto 1.90 queries/s = 0.950 x the best other mode "
-                               "(speceyes/none, 2.00)")  # fmt: skip
+    twin_line = bench.twin_lines(rows)[1]
+    assert twin_line.startswith("C=4: none#twin 2.20 queries/s = 1.100 x speceyes/none (the same")
+    assert "95% interval 0.950-1.200, by round 1.20, 1.00" in twin_line
+    assert bench.auto_lines(rows)[1].startswith("C=4: auto 1.90 queries/s = 0.950 x the best "
+                                                "other mode (speceyes/none, 2.00)")  # fmt: skip
 
 
 def _one_client_run(folder, times, per_round=4, rounds=2, questions=4):
@@ -493,5 +493,14 @@ def test_sim_vs_real_traces_a_cells_error_to_its_route():
     assert none["routes"]["measured"] == (0.2, 1.8)
     assert 0 < early < agent
     assert next(x for x in lines if x["mode"] == "agent-only")["routes"]["simulated"][0] is None
+    # the simulator's own record of each query's route: without a judge the gate decides for
+    # every query, with one only for those judged tool-free
+    from speceyes.simulate import draw, simulate_one
+
+    d = draw(CostModel(), 32, 0.5, 0.6, 1, 0.3)
+    got = simulate_one("speceyes", CostModel(), d, 4, judge="none").early
+    assert got is not None and (got == np.where(d.tool, d.accept_tool, d.accept)).all()
+    got = simulate_one("speceyes", CostModel(), d, 4, judge="large").early
+    assert (got == (~d.tool & d.accept)).all() and 0 < got.sum() < 32
     table = svr.route_lines(lines)
     assert table[-1].startswith("| 4 | speceyes/none | 200 / ") and f"({early / 0.2 - 1:+.0%})" in table[-1]

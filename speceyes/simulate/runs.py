@@ -114,6 +114,7 @@ class RunResult:
     finished: np.ndarray
     engines: dict[str, dict[str, float]]
     judge: str = "-"
+    early: np.ndarray | None = None  # per query: answered without the agent loop (the gate's)
 
     @property
     def latencies(self) -> np.ndarray:
@@ -254,6 +255,7 @@ class _Run:
         self.loop_ended = [False] * self.n
         self.done = 0  # queries finished
         self.settled = [0, 0]  # queries settled, and of them answered without the agent
+        self.early = np.zeros(self.n, dtype=bool)  # each query answered without the agent
 
     def run(self) -> RunResult:
         if self.schedule == "published":
@@ -268,7 +270,8 @@ class _Run:
         judge = self.judge if self.schedule == "speceyes" else (
             "large" if self.schedule == "published" else "-"
         )
-        return RunResult(self.schedule, self.c, self.issued, self.finished, engines, judge)
+        return RunResult(self.schedule, self.c, self.issued, self.finished, engines, judge,
+                         self.early)
 
     @property
     def makespan(self) -> float:
@@ -280,8 +283,10 @@ class _Run:
         self.issued[q] = t
         self.start_query(q, t)
 
-    def _complete(self, q: int, t: float) -> None:
+    def _complete(self, q: int, t: float, early: bool = False) -> None:
+        """Query ``q`` answered at ``t`` (``early``: by the small model, the agent skipped)."""
         self.finished[q] = t
+        self.early[q] = early
         self.done += 1
         if self.next_q < self.n:  # closed loop: this client sends its next query now
             self._issue(t)
@@ -441,7 +446,7 @@ class _Run:
 
     def _gate(self, q: int, t: float) -> None:
         if self.accept[q]:
-            self._complete(q, t)
+            self._complete(q, t, early=True)
         else:
             self._agent_start(q, t)
 
@@ -525,7 +530,7 @@ class _Run:
                 self.dropped[q] = self.raced[q]
                 self.settled[0] += 1
                 self.settled[1] += 1
-                self._complete(q, t)
+                self._complete(q, t, early=True)
             elif not self.raced[q]:
                 self.agent_q.append(q)
             else:
@@ -647,7 +652,7 @@ class _Run:
         self.serial = deque(q for q in batch if self.tool[q] or not self.accept[q])
         for q in batch:
             if not self.tool[q] and self.accept[q]:
-                self._complete(q, t)  # generous: an accepted answer returns before phase IV
+                self._complete(q, t, early=True)  # generous: returns before phase IV
         self._pub_next_agent(t)
 
     def _pub_next_agent(self, t: float) -> None:
