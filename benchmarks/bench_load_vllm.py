@@ -212,6 +212,9 @@ class Sample:
     scored: bool = True  # one of its round's n requests after the first C (see closed_loop)
     index: int = -1  # its place in its round's order of requests
     slot: int = -1  # its mode's place in its round's order of modes (round_order)
+    # the app's own clocks for it, in seconds: each phase's share of its batch, its wait for a
+    # front batch ("queue") and the total (the response's ``speceyes.timings``)
+    timings: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -222,6 +225,20 @@ class LoopRun:
     errors: int
     window_s: float  # the steady window: from its opening answer to its n-th after it
     wall_s: float  # from the first request to the last answer (the CPU counts cover this)
+
+
+def phase_means(samples: list[Sample]) -> dict[str, float]:
+    """Mean milliseconds per phase of the app's clocks over ``samples`` (a phase a query did
+    not run counts 0; what the total holds beyond them is the app's own work), and
+    ``outside``: the client's latency less the app's total (HTTP both ways, intake and reply)."""
+    phases = sorted({k for s in samples for k in s.timings})
+    out = {k: round(1000 * float(np.mean([s.timings.get(k, 0.0) for s in samples])), 2)
+           for k in phases}
+    with_total = [s for s in samples if "total" in s.timings]
+    if with_total:
+        out["outside"] = round(
+            1000 * float(np.mean([s.latency_s - s.timings["total"] for s in with_total])), 2)
+    return out
 
 
 @dataclass
@@ -303,6 +320,12 @@ class Cell:
                 route: {"n": len(got), "client": round(float(np.mean([s.latency_s for s in got])), 4),
                         "server": round(float(np.mean([s.server_s or 0.0 for s in got])), 4)}
                 for route in sorted({s.route for s in scored})
+                if (got := [s for s in scored if s.route == route])
+            },
+            # per route, where the app's time went: the mean of each phase's clock (0 where a
+            # query skipped the phase), "outside" the client's latency less the app's total
+            "mean_ms_by_route_phase": {
+                route: phase_means(got) for route in sorted({s.route for s in scored})
                 if (got := [s for s in scored if s.route == route])
             },
             "points": dict(Counter(s.point for s in scored if s.point is not None)),
@@ -484,7 +507,7 @@ async def closed_loop(
             samples.append(
                 Sample(t1 - t0, correct, info.get("route", ""), info.get("operating_point"),
                        info.get("load_band"), (info.get("timings") or {}).get("total"),
-                       timed=timed, scored=scored, index=i)
+                       timed=timed, scored=scored, index=i, timings=_timings(info))
             )  # fmt: skip
 
     async with aiohttp.ClientSession(timeout=timeout) as session:
@@ -492,6 +515,12 @@ async def closed_loop(
     t_end = time.perf_counter()
     assert t_open is not None and t_close is not None  # n answers came after the opening one
     return LoopRun(samples, errors, t_close - t_open, t_end - t_start)
+
+
+def _timings(info: dict[str, Any]) -> dict[str, float]:
+    """The numeric entries of a response's ``speceyes.timings`` (an error's may be missing)."""
+    got = info.get("timings") or {}
+    return {k: float(v) for k, v in got.items() if isinstance(v, int | float)}
 
 
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100

@@ -337,6 +337,14 @@ def test_load_benchmark_counts_the_cpu_each_process_uses_per_query():
     cell.rounds = [[bench.Sample(0.25, True, "small", server_s=0.2),
                     bench.Sample(0.5, True, "small", server_s=0.4), bench.Sample(0.3, True, "")]]
     assert cell.summary()["outside_server_ms"] == 75.0
+    # each route's phases: a phase a query skipped counts 0; outside = latency less the total
+    cell.rounds = [[bench.Sample(0.25, True, "small", timings={"small": 0.1, "total": 0.2}),
+                    bench.Sample(0.5, True, "small", timings={"queue": 0.02, "small": 0.3,
+                                                              "total": 0.4}),
+                    bench.Sample(2.0, True, "agent", timings={"agent": 1.5, "total": 1.9})]]
+    phases = cell.summary()["mean_ms_by_route_phase"]
+    assert phases["small"] == {"queue": 10.0, "small": 200.0, "total": 300.0, "outside": 75.0}
+    assert phases["agent"] == {"agent": 1500.0, "total": 1900.0, "outside": 100.0}
 
 
 def test_load_benchmark_app_process_fails_with_its_log_when_its_servers_are_down(tmp_path):
@@ -468,6 +476,7 @@ def test_load_benchmark_times_a_round_in_steady_state_and_drains_it():
     assert row["small_share"] == 0.5  # of the scored: even questions
     assert row["cores_busy"] == pytest.approx(1.0 / run.wall_s, abs=0.01)
     assert row["outside_server_ms"] > 0
+    assert row["mean_ms_by_route_phase"]["small"]["total"] == 5.0  # the app's clock, read back
 
 
 def test_sim_vs_real_traces_a_cells_error_to_its_route():
