@@ -177,7 +177,10 @@ def test_answer_with_speceyes_extra_field(served, q3, q25):
     assert r.choices[0].message.content == (
         extra["small_answer"] if extra["route"] == "small" else extra["agent_answer"]
     )
-    assert {"judge", "small", "gate", "queue", "total"} <= set(extra["timings"])
+    t = extra["timings"]
+    assert {"judge", "small", "gate", "intake", "queue", "total"} <= set(t)
+    # the request's time in the app holds its intake (body and image decoded) and its wait
+    assert 0 < t["intake"] and t["intake"] + t["queue"] + t["small"] < t["total"]
     assert r.usage is not None and r.model == "speceyes"
     # The extra field is the funnel's own result for this query, run directly.
     (d,) = make_funnel(q3, q25).run_batch(

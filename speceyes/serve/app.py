@@ -253,9 +253,13 @@ class Server(ServerState):
             return internal_error(rid)
         total = loop.time() - t_arrival
         self.metrics.request_seconds.observe(total)
-        return web.json_response(self._completion(result, batch_size, queued, total))
+        assert item is not None  # an answer came from the funnel, so the query was queued
+        intake = item.enqueued - item.arrived  # its body read, parsed and its image decoded
+        return web.json_response(self._completion(result, batch_size, queued, total, intake))
 
-    def _completion(self, r: Result, batch_size: int, queued: float, total: float) -> dict:
+    def _completion(
+        self, r: Result, batch_size: int, queued: float, total: float, intake: float
+    ) -> dict:
         return {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
             "object": "chat.completion",
@@ -283,7 +287,7 @@ class Server(ServerState):
                 "agent_answer": r.agent_answer,
                 "error": r.error,
                 "batch_size": batch_size,
-                "timings": {**r.timings, "queue": queued, "total": total},
+                "timings": {**r.timings, "intake": intake, "queue": queued, "total": total},
             },
         }
 
