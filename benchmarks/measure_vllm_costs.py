@@ -18,12 +18,16 @@ AsyncOpenAI), images sent at the checkpoints' 224x224 view as PNG data URIs:
   (``ignore_eos``); the difference over 32 tokens is one step at batch n;
 - prefill per text token: one request at a time with 16 to 2048 new tokens (a fresh prefix, so
   the prefix cache cannot serve it); per image token: cold image requests against text ones;
-- the client's CPU to cut and encode one round's 9 crops (the search agent's tool time).
+- the client's CPU to cut and encode one round's 9 crops (the search agent's tool time);
+- the serving app's time per query outside the funnel (``app_intake_s``): the benchmark's app
+  (``speceyes serve``'s, in a process of its own, judge ``none``) answers its requests from one
+  client; each answer's ``intake`` (body read, image decoded) plus its time outside the app
+  (the client's send and the reply), averaged.
 
 Writes OUT/costs.json (CostModel fields, for ``speceyes simulate --costs`` and
 ``benchmarks/sim_vs_real.py``) and OUT/measurements.json (every raw timing), and prints the
 measured table. The servers are always stopped (their process groups), also on Ctrl-C, SIGTERM
-or SIGHUP. About 4-6 minutes on 2 CPU cores, start-up included.
+or SIGHUP. About 5-7 minutes on 2 CPU cores, start-up included.
 
     python benchmarks/measure_vllm_costs.py [--out runs/vllm-costs] [--reps 3]
 """
@@ -257,6 +261,35 @@ def crop_cpu_s(images: Images, n: int = 27) -> float:
     return (time.perf_counter() - t0) / n * 9
 
 
+def app_intake_s(small_url: str, large_url: str, queries: list[Any], work: Path,
+                 n: int = 48) -> dict[str, float]:
+    """The benchmark's app (judge ``none``, its own process) in front of the servers, one
+    client sending its requests one after another (after one untimed pass): the mean intake,
+    the mean time outside the app, and their sum (``app_intake_s``)."""
+    import bench_load_vllm as blv
+
+    from speceyes.images import load_image, to_data_uri
+
+    (mode,) = [m for m in blv.modes_of(["none"]) if m.judge == "none"]
+    uris = {q.image: to_data_uri(load_image(q.image)) for q in queries}
+    bodies = [blv.request_body(q, uris[q.image]) for q in queries]
+    url_file = work / "app.url"
+    app = blv.AppProcess(blv.app_spec(mode, small_url, large_url, None, None, url_file),
+                         url_file, work / "app.log")
+    try:
+        url = app.wait_ready(blv.APP_START_S)
+        asyncio.run(blv.closed_loop(url, bodies, queries, 0, len(queries), 1, 0))
+        run = asyncio.run(blv.closed_loop(url, bodies, queries, 0, n, 1, 0))
+    finally:
+        app.stop()
+    got = [x for x in run.samples if "intake" in x.timings and "total" in x.timings]
+    if not got:
+        raise RuntimeError(f"the app answered no request with its timings; see {work}/app.log")
+    intake = statistics.fmean(x.timings["intake"] for x in got)
+    outside = statistics.fmean(x.latency_s - x.timings["total"] for x in got)
+    return {"intake_s": intake, "outside_s": outside, "app_intake_s": intake + outside}
+
+
 async def measure_server(url: str, model: str, images: Images, queries: list[Any], role: str,
                          reps: int) -> dict[str, Any]:
     cl = Client(url, model)
@@ -287,10 +320,11 @@ async def measure_server(url: str, model: str, images: Images, queries: list[Any
 
 def derive(
     large: dict[str, Any], small: dict[str, Any], crop_s: float, view_s: float,
-    placement: str = "shared",
+    placement: str = "shared", app_s: float = 0.0,
 ) -> dict[str, Any]:
     """CostModel fields from both servers' measurements (see the module docstring);
-    ``placement``: the servers' cores (``split``: a device per model)."""
+    ``placement``: the servers' cores (``split``: a device per model); ``app_s``: the serving
+    app's time per query outside the funnel (:func:`app_intake_s`)."""
     from speceyes.miniworld.demo import MODELS_DIR
 
     out: dict[str, Any] = {}
@@ -375,6 +409,7 @@ def derive(
         "search_answer_decode_tokens": 2,
         "tool_s": crop_s,
         "image_preprocess_s": view_s,  # the client's view of the whole image, per backend
+        "app_intake_s": app_s,  # the benchmark's clients reach the funnel through an app
         "client_cpu_on_engine": True,  # the clients run on the servers' cores
         # unpinned, the client's threads take whichever server's core is idle
         "client_cpu_free_core": placement == SPLIT_PLACEMENT,
@@ -416,6 +451,8 @@ def table(costs: dict[str, Any], large: dict[str, Any], small: dict[str, Any]) -
         )
     rows.append(f"| client CPU per warm request (ms) | {large['warm']['client_cpu_s'] * 1e3:.2f} "
                 f"| {small['warm']['client_cpu_s'] * 1e3:.2f} |")
+    rows.append(f"| the app's intake and reply per query (ms) | {costs['app_intake_s'] * 1e3:.1f} "
+                "| same |")
     rows.append(f"| image tokens (224x224 view) | {costs['image_tokens']} | "
                 f"{costs['small_image_tokens']} |")
     rows.append(f"| crop cutting per search round (ms) | {costs['tool_s'] * 1e3:.1f} | - |")
@@ -491,9 +528,12 @@ def main() -> int:
                 queries = blv.question_set(Path(tmp) / "mw", 2, 0)
                 saved["view_s"] = view_cpu_s(Images(sorted({q.image for q in queries})))
             args.source.write_text(json.dumps(saved, indent=2, default=str))
+        if "app" not in saved:  # measurements from before the app's intake was timed
+            print("note: no app intake in these measurements; app_intake_s is 0")
         # measurements from before --placement existed were taken on shared cores
         return write_costs(args.out, saved["large"], saved["small"], saved["crop_round_s"],
-                           saved["view_s"], saved.get("placement", "shared"))
+                           saved["view_s"], saved.get("placement", "shared"),
+                           (saved.get("app") or {}).get("app_intake_s", 0.0))
 
     import bench_load_vllm as blv
 
@@ -524,6 +564,9 @@ def main() -> int:
                 got[role] = asyncio.run(measure_server(
                     srv.url, str(MODELS_DIR / role), images, queries, role, args.reps))
                 print(f"{role} server measured in {time.perf_counter() - t1:.0f} s", flush=True)
+            t1 = time.perf_counter()
+            app = app_intake_s(servers[0].url, servers[1].url, queries, args.out)
+            print(f"the app's intake measured in {time.perf_counter() - t1:.0f} s", flush=True)
     finally:
         for s in servers:
             s.stop()
@@ -532,17 +575,18 @@ def main() -> int:
             "cpus": os.cpu_count(), "placement": args.placement, "executor": args.executor}
     # the raw timings first: a costs file can always be derived again from them (--from)
     (args.out / "measurements.json").write_text(
-        json.dumps({**meta, "crop_round_s": crop_s, "view_s": view_s, **got}, indent=2,
-                   default=str))
+        json.dumps({**meta, "crop_round_s": crop_s, "view_s": view_s, "app": app, **got},
+                   indent=2, default=str))
     print(f"measured in {meta['total_s']:.0f} s; wrote {args.out}/measurements.json")
-    return write_costs(args.out, got["large"], got["small"], crop_s, view_s, args.placement)
+    return write_costs(args.out, got["large"], got["small"], crop_s, view_s, args.placement,
+                       app["app_intake_s"])
 
 
 def write_costs(
     out: Path, large: dict[str, Any], small: dict[str, Any], crop_s: float, view_s: float,
-    placement: str = "shared",
+    placement: str = "shared", app_s: float = 0.0,
 ) -> int:
-    costs = derive(large, small, crop_s, view_s, placement)
+    costs = derive(large, small, crop_s, view_s, placement, app_s)
     md = table(costs, large, small)
     print(md)
     fields = {k: v for k, v in costs.items() if not k.startswith("_")}

@@ -147,6 +147,11 @@ class CostModel:
     # vLLM's multimodal processor cache). 0 by default: tens of ms with a fast processor next
     # to the GPU's seconds; docs/throughput.md gives what it measured on a CPU here.
     image_preprocess_s: float = 0.0
+    # CPU seconds per query before the funnel sees it, where a serving app stands in front
+    # (``speceyes serve``): the client sending the request, the app reading its body and
+    # decoding its image, and the reply. Client CPU like ``tool_s`` (see
+    # ``client_cpu_on_engine``); 0 by default, as for an eval that holds its images already.
+    app_intake_s: float = 0.0
 
     # Per-request fixed costs (0 by default: beside a GPU's prefill they are noise). On a CPU
     # server every call also pays HTTP, chat templating, image processing and scheduling.
@@ -215,7 +220,8 @@ class CostModel:
             raise ValueError("decode step times must be positive")
         costs = (
             self.large_prefill_s_per_token, self.small_prefill_s_per_token, self.tool_s,
-            self.image_preprocess_s, self.large_request_s, self.small_request_s,
+            self.image_preprocess_s, self.app_intake_s, self.large_request_s,
+            self.small_request_s,
             self.large_request_latency_s, self.small_request_latency_s,
             self.large_vit_s_per_token, self.small_vit_s_per_token,
             self.large_kv_read_s_per_token, self.small_kv_read_s_per_token,

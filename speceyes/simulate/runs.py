@@ -200,6 +200,9 @@ class _Run:
         self.large_judged = schedule == "published" or (
             schedule == "speceyes" and judge in ("large", "prefix")
         )
+        # the engine a query's first request goes to (its app's intake is charged there)
+        to_large = self.large_judged or schedule.startswith("agent-only")
+        self._first_engine = self.large if to_large else self.small
         self.first_tokens = tail if self.first_hit else a
         self.first_s = c.prefill_s(LARGE, tail) if self.first_hit else full_first
         # python lists: scalar indexing is several times faster than numpy's
@@ -281,7 +284,11 @@ class _Run:
         q = self.next_q
         self.next_q += 1
         self.issued[q] = t
-        self.start_query(q, t)
+        intake = self.costs.app_intake_s
+        if intake > 0:  # the app's intake first, on the CPU of the query's first request
+            self._client_cpu(self._first_engine, t, intake, self.start_query, q)
+        else:
+            self.start_query(q, t)
 
     def _complete(self, q: int, t: float, early: bool = False) -> None:
         """Query ``q`` answered at ``t`` (``early``: by the small model, the agent skipped)."""
