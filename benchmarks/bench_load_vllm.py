@@ -215,6 +215,7 @@ class Sample:
     # the app's own clocks for it, in seconds: each phase's share of its batch, its wait for a
     # front batch ("queue") and the total (the response's ``speceyes.timings``)
     timings: dict[str, float] = field(default_factory=dict)
+    batch: int = 0  # the size of the front batch it ran in (0: not reported)
 
 
 @dataclass
@@ -229,11 +230,15 @@ class LoopRun:
 
 def phase_means(samples: list[Sample]) -> dict[str, float]:
     """Mean milliseconds per phase of the app's clocks over ``samples`` (a phase a query did
-    not run counts 0; what the total holds beyond them is the app's own work), and
+    not run counts 0; what the total holds beyond them is the app's own work; the funnel's
+    phases are the query's share of its batch's phase), ``batch``: the mean front batch, and
     ``outside``: the client's latency less the app's total (HTTP both ways, intake and reply)."""
     phases = sorted({k for s in samples for k in s.timings})
     out = {k: round(1000 * float(np.mean([s.timings.get(k, 0.0) for s in samples])), 2)
            for k in phases}
+    batched = [s.batch for s in samples if s.batch > 0]
+    if batched:  # the phases' clocks are shares of the batch's: this turns them into times
+        out["batch"] = round(float(np.mean(batched)), 2)
     with_total = [s for s in samples if "total" in s.timings]
     if with_total:
         out["outside"] = round(
@@ -507,7 +512,8 @@ async def closed_loop(
             samples.append(
                 Sample(t1 - t0, correct, info.get("route", ""), info.get("operating_point"),
                        info.get("load_band"), (info.get("timings") or {}).get("total"),
-                       timed=timed, scored=scored, index=i, timings=_timings(info))
+                       timed=timed, scored=scored, index=i, timings=_timings(info),
+                       batch=int(info.get("batch_size") or 0))
             )  # fmt: skip
 
     async with aiohttp.ClientSession(timeout=timeout) as session:

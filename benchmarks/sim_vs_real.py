@@ -18,7 +18,8 @@ of queries each point answered (the agent-only point is agent-only).
 Prints, per C and mode, the measured and predicted ratio to agent-only at the same C, the
 relative error and whether it is within ``--tolerance`` (15%); also the absolute queries/s,
 and for each static mode the mean latency of the small model's answers and of the agent's,
-measured and simulated, which says which route's cost a cell's error comes from.
+measured and simulated, which says which route's cost a cell's error comes from, and where
+the small model's answers spent their time by the app's own clocks.
 
     python benchmarks/sim_vs_real.py --real runs/bench-load-auto9/results.json \\
         --costs runs/vllm-costs/costs.json [--points runs/pts/points-lp-0.1.json] [--out FILE]
@@ -230,6 +231,32 @@ def route_lines(lines: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+PHASES = ("outside", "intake", "queue", "judge", "small", "gate")  # a query's way, in order
+
+
+def phase_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """Per C and mode, where the small model's answers spent their time, measured: the
+    benchmark's ``mean_ms_by_route_phase`` (the app's own clocks; ``outside``: the client's
+    latency beyond the app's total). ``outside``, ``intake`` and ``queue`` are each query's
+    own; the funnel's phases (judge, small, gate) are its share of its batch's phase, the
+    phase's time divided among the batch's queries, which is the phase's time only at one
+    client. Rows from before the phases were recorded are skipped."""
+    out = ["", "The small model's answers, measured, by phase (mean ms; judge, small and gate "
+           "a query's share of its batch's):", "",
+           "| C | mode | " + " | ".join(PHASES) + " | client |",
+           "|---|---|" + "---|" * (len(PHASES) + 1)]  # fmt: skip
+    got = False
+    for r in rows:
+        ph = (r.get("mean_ms_by_route_phase") or {}).get(SMALL_ROUTE)
+        client = ((r.get("mean_s_by_route") or {}).get(SMALL_ROUTE) or {}).get("client")
+        if not ph or client is None:
+            continue
+        got = True
+        cells = " | ".join(f"{ph[k]:.1f}" if k in ph else "-" for k in PHASES)
+        out.append(f"| {r['concurrency']} | {r['mode']} | {cells} | {1000 * client:.1f} |")
+    return out if got else []
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--real", type=Path, default=ROOT / "runs" / "bench-load-auto9" / "results.json")
@@ -264,6 +291,7 @@ def main() -> int:
     lines = compare(rows, costs, points, args.batches, args.seed, args.tolerance)
     print(f"real: {args.real}; costs: {args.costs}; {args.batches} simulated batches per cell")
     print(format_table(lines, args.tolerance))
+    print("\n".join(phase_lines(rows)))
     if args.out:
         args.out.write_text(json.dumps(lines, indent=2))
     return 0

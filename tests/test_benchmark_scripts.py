@@ -340,10 +340,11 @@ def test_load_benchmark_counts_the_cpu_each_process_uses_per_query():
     # each route's phases: a phase a query skipped counts 0; outside = latency less the total
     cell.rounds = [[bench.Sample(0.25, True, "small", timings={"small": 0.1, "total": 0.2}),
                     bench.Sample(0.5, True, "small", timings={"queue": 0.02, "small": 0.3,
-                                                              "total": 0.4}),
+                                                              "total": 0.4}, batch=3),
                     bench.Sample(2.0, True, "agent", timings={"agent": 1.5, "total": 1.9})]]
     phases = cell.summary()["mean_ms_by_route_phase"]
-    assert phases["small"] == {"queue": 10.0, "small": 200.0, "total": 300.0, "outside": 75.0}
+    assert phases["small"] == {"queue": 10.0, "small": 200.0, "total": 300.0, "outside": 75.0,
+                               "batch": 3.0}  # the one that reported its batch
     assert phases["agent"] == {"agent": 1500.0, "total": 1900.0, "outside": 100.0}
 
 
@@ -513,3 +514,8 @@ def test_sim_vs_real_traces_a_cells_error_to_its_route():
     assert (got == (~d.tool & d.accept)).all() and 0 < got.sum() < 32
     table = svr.route_lines(lines)
     assert table[-1].startswith("| 4 | speceyes/none | 200 / ") and f"({early / 0.2 - 1:+.0%})" in table[-1]
+    # the small model's answers by phase: only rows that recorded the app's clocks
+    assert svr.phase_lines(rows) == []
+    rows[1]["mean_ms_by_route_phase"] = {"small": {"intake": 14.5, "queue": 10.4, "small": 40.4,
+                                                   "gate": 0.3, "total": 66.2, "outside": 1.3}}
+    assert svr.phase_lines(rows)[-1] == "| 4 | speceyes/none | 1.3 | 14.5 | 10.4 | - | 40.4 | 0.3 | 200.0 |"
