@@ -337,22 +337,19 @@ def test_image_preprocessing_on_the_engine_is_serial_per_query():
     assert not sm.CostModel().client_cpu_on_engine
 
 
-def test_app_intake_adds_to_every_query_and_on_the_engine_takes_its_throughput():
-    """``app_intake_s`` (a serving app's intake per query) comes before the query's first
-    request: beside the servers it adds its time to every latency and nothing to the engine's
-    load; on the engine's cores it is serial work there, so it takes throughput as well."""
-    c = search_costs(small_request_s=0.01)
+def test_app_intake_delays_every_query_and_loads_no_engine():
+    """``app_intake_s`` (a serving app's time per query outside the funnel) comes before the
+    query's first request, in the app's threads: it adds its time to every latency and no
+    work to an engine, so with the engine the bottleneck the throughput stays."""
+    c = search_costs(small_request_s=0.01, client_cpu_on_engine=True)
     d = sm.draw(c, 2000, 1.0, 1.0, 0, alpha_tool=1.0)  # none: every query one small answer
     base = sm.simulate_one("speceyes", c, d, 1, judge="none")
-    beside = sm.simulate_one("speceyes", replace(c, app_intake_s=0.02), d, 1, judge="none")
-    assert np.allclose(beside.latencies, base.latencies + 0.02)
-    assert beside.engines["small"]["busy_s"] == pytest.approx(base.engines["small"]["busy_s"])
-    on = replace(c, app_intake_s=0.02, client_cpu_on_engine=True)
-    loaded = 2000 / sm.simulate_one("speceyes", on, d, 64, judge="none").makespan
-    assert loaded == pytest.approx(1 / 0.03, rel=0.05)
-    # agent-only: the intake is charged where its first request goes, the large engine
-    agent = sm.simulate_one("agent-only", on, d, 64)
-    assert agent.engines["small"]["busy_s"] == 0
+    late = sm.simulate_one("speceyes", replace(c, app_intake_s=0.02), d, 1, judge="none")
+    assert np.allclose(late.latencies, base.latencies + 0.02)
+    assert late.engines["small"]["busy_s"] == pytest.approx(base.engines["small"]["busy_s"])
+    loaded = 2000 / sm.simulate_one("speceyes", replace(c, app_intake_s=0.02), d, 64,
+                                    judge="none").makespan
+    assert loaded == pytest.approx(1 / 0.01, rel=0.05)
     with pytest.raises(ValueError, match="non-negative"):
         replace(c, app_intake_s=-0.01).validate()
 

@@ -147,10 +147,12 @@ class CostModel:
     # vLLM's multimodal processor cache). 0 by default: tens of ms with a fast processor next
     # to the GPU's seconds; docs/throughput.md gives what it measured on a CPU here.
     image_preprocess_s: float = 0.0
-    # CPU seconds per query before the funnel sees it, where a serving app stands in front
-    # (``speceyes serve``): the client sending the request, the app reading its body and
-    # decoding its image, and the reply. Client CPU like ``tool_s`` (see
-    # ``client_cpu_on_engine``); 0 by default, as for an eval that holds its images already.
+    # Seconds per query outside the funnel where a serving app stands in front (``speceyes
+    # serve``): the client sending the request, the app reading its body and decoding its
+    # image, and the reply. A delay before the query's first request, spent in the app's own
+    # threads beside the engines, not on their devices (measured on the CPU engine: the servers
+    # leave part of the cores idle, and serial there it made loaded answers too slow; see
+    # docs/throughput.md, run 64). 0 by default, as for an eval that holds its images already.
     app_intake_s: float = 0.0
 
     # Per-request fixed costs (0 by default: beside a GPU's prefill they are noise). On a CPU

@@ -200,9 +200,6 @@ class _Run:
         self.large_judged = schedule == "published" or (
             schedule == "speceyes" and judge in ("large", "prefix")
         )
-        # the engine a query's first request goes to (its app's intake is charged there)
-        to_large = self.large_judged or schedule.startswith("agent-only")
-        self._first_engine = self.large if to_large else self.small
         self.first_tokens = tail if self.first_hit else a
         self.first_s = c.prefill_s(LARGE, tail) if self.first_hit else full_first
         # python lists: scalar indexing is several times faster than numpy's
@@ -285,8 +282,8 @@ class _Run:
         self.next_q += 1
         self.issued[q] = t
         intake = self.costs.app_intake_s
-        if intake > 0:  # the app's intake first, on the CPU of the query's first request
-            self._client_cpu(self._first_engine, t, intake, self.start_query, q)
+        if intake > 0:  # the app's intake first, in its own threads beside the engines
+            self.sim.at(t + intake, self.start_query, q)
         else:
             self.start_query(q, t)
 
