@@ -207,7 +207,6 @@ class Sample:
     route: str
     point: str | None = None  # speceyes/auto: the operating point that answered
     band: int | None = None  # speceyes/auto: the load band its point was chosen in
-    server_s: float | None = None  # the server's own time for it (its response's total)
     timed: bool = True  # answered inside its round's counting window (see closed_loop)
     scored: bool = True  # one of its round's n requests after the first C (see closed_loop)
     index: int = -1  # its place in its round's order of requests
@@ -216,6 +215,11 @@ class Sample:
     # front batch ("queue") and the total (the response's ``speceyes.timings``)
     timings: dict[str, float] = field(default_factory=dict)
     batch: int = 0  # the size of the front batch it ran in (0: not reported)
+
+    @property
+    def server_s(self) -> float | None:
+        """The server's own time for it (its response's total; None: not reported)."""
+        return self.timings.get("total")
 
 
 @dataclass
@@ -407,6 +411,12 @@ def request_body(q: Query, image_uri: str) -> dict[str, Any]:
     return body
 
 
+def request_bodies(queries: list[Query]) -> list[dict[str, Any]]:
+    """Each query's request body, its image encoded once per image file."""
+    uris = {q.image: to_data_uri(load_image(q.image)) for q in queries}
+    return [request_body(q, uris[q.image]) for q in queries]
+
+
 def model_family(folder: Path) -> str:
     return json.loads((folder / "config.json").read_text())["model_type"]
 
@@ -511,8 +521,7 @@ async def closed_loop(
             correct = scoring.is_correct(queries[k], answer)
             samples.append(
                 Sample(t1 - t0, correct, info.get("route", ""), info.get("operating_point"),
-                       info.get("load_band"), (info.get("timings") or {}).get("total"),
-                       timed=timed, scored=scored, index=i, timings=_timings(info),
+                       info.get("load_band"), timed=timed, scored=scored, index=i, timings=_timings(info),
                        batch=int(info.get("batch_size") or 0))
             )  # fmt: skip
 
@@ -1053,8 +1062,7 @@ def main() -> int:
     try:
         with tempfile.TemporaryDirectory() as tmp:
             queries = question_set(Path(tmp) / "mw", args.scenes, args.seed)
-            uris = {q.image: to_data_uri(load_image(q.image)) for q in queries}
-            bodies = [request_body(q, uris[q.image]) for q in queries]
+            bodies = request_bodies(queries)
             print(
                 f"{len(queries)} questions on {args.scenes} scenes; modes: "
                 f"{', '.join(m.label for m in modes)}; C = {cs}; rounds {args.rounds}",

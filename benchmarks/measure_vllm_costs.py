@@ -268,11 +268,8 @@ def app_intake_s(small_url: str, large_url: str, queries: list[Any], work: Path,
     the mean time outside the app, and their sum (``app_intake_s``)."""
     import bench_load_vllm as blv
 
-    from speceyes.images import load_image, to_data_uri
-
     (mode,) = [m for m in blv.modes_of(["none"]) if m.judge == "none"]
-    uris = {q.image: to_data_uri(load_image(q.image)) for q in queries}
-    bodies = [blv.request_body(q, uris[q.image]) for q in queries]
+    bodies = blv.request_bodies(queries)
     url_file = work / "app.url"
     app = blv.AppProcess(blv.app_spec(mode, small_url, large_url, None, None, url_file),
                          url_file, work / "app.log")

@@ -334,8 +334,9 @@ def test_load_benchmark_counts_the_cpu_each_process_uses_per_query():
     text = "\n".join(bench.cpu_lines([row]))
     assert "| 16 | speceyes/none | 50.0 | 100.0 | 50.0 | 200.0 | 1.00 | - |" in text
     # the time outside the server's clock: the client's latency less the server's total
-    cell.rounds = [[bench.Sample(0.25, True, "small", server_s=0.2),
-                    bench.Sample(0.5, True, "small", server_s=0.4), bench.Sample(0.3, True, "")]]
+    cell.rounds = [[bench.Sample(0.25, True, "small", timings={"total": 0.2}),
+                    bench.Sample(0.5, True, "small", timings={"total": 0.4}),
+                    bench.Sample(0.3, True, "")]]
     assert cell.summary()["outside_server_ms"] == 75.0
     # each route's phases: a phase a query skipped counts 0; outside = latency less the total
     cell.rounds = [[bench.Sample(0.25, True, "small", timings={"small": 0.1, "total": 0.2}),

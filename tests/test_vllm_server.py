@@ -148,7 +148,7 @@ def test_load_benchmark_app_process_serves_on_the_engine_and_stops(vllm_server, 
     sys.modules[spec.name] = bench  # dataclasses look their module up there
     spec.loader.exec_module(bench)
     queries = bench.question_set(tmp_path / "mw", 1, seed=0)
-    bodies = [bench.request_body(q, bench.to_data_uri(bench.load_image(q.image))) for q in queries]
+    bodies = bench.request_bodies(queries)
     url_file = tmp_path / "app.url"
     agent_only = bench.modes_of([])[0]  # the large model only: the one this server serves
     app = bench.AppProcess(
